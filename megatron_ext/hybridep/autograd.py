@@ -1,0 +1,97 @@
+"""Autograd for any HybridEP buffer (ours or deep_ep's): dispatch and combine as each other's backward.
+
+The backward of dispatch is combine with the same handle; the backward of combine is dispatch
+with the same handle and the same `num_permuted_tokens`, non-blocking when that is a host int, so
+a capacity-mode step has no host read in its backward either.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+
+class _Dispatch(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, probs, buffer, routing_map, num_local_experts, num_permuted_tokens, pad_multiple):
+        rows, row_probs, _, tokens_per_expert, handle = buffer.dispatch_with_permute(
+            hidden=hidden,
+            routing_map=routing_map,
+            probs=probs,
+            num_of_experts_per_rank=num_local_experts,
+            num_permuted_tokens=num_permuted_tokens,
+            pad_multiple=pad_multiple,
+            non_blocking=num_permuted_tokens is not None,
+        )
+        ctx.buffer, ctx.handle, ctx.pad_multiple = buffer, handle, pad_multiple
+        ctx.mark_non_differentiable(tokens_per_expert)
+        return rows, row_probs, tokens_per_expert, handle
+
+    @staticmethod
+    def backward(ctx, grad_rows, grad_row_probs, _grad_counts, _grad_handle):
+        grad_hidden, grad_probs = ctx.buffer.combine_with_unpermute(
+            hidden=grad_rows.contiguous(),
+            probs=None if grad_row_probs is None else grad_row_probs.contiguous(),
+            handle=ctx.handle,
+            pad_multiple=ctx.pad_multiple,
+        )
+        return grad_hidden, grad_probs, None, None, None, None, None
+
+
+class _Combine(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, rows, buffer, handle, num_permuted_tokens, pad_multiple):
+        tokens, _ = buffer.combine_with_unpermute(hidden=rows, handle=handle, pad_multiple=pad_multiple)
+        ctx.buffer, ctx.handle = buffer, handle
+        ctx.num_permuted_tokens, ctx.pad_multiple = num_permuted_tokens, pad_multiple
+        return tokens
+
+    @staticmethod
+    def backward(ctx, grad_tokens):
+        grad_rows, _, _, _, _ = ctx.buffer.dispatch_with_permute(
+            hidden=grad_tokens.contiguous(),
+            handle=ctx.handle,
+            num_permuted_tokens=ctx.num_permuted_tokens,
+            pad_multiple=ctx.pad_multiple,
+            non_blocking=isinstance(ctx.num_permuted_tokens, int),
+        )
+        return grad_rows, None, None, None, None
+
+
+def dispatch(
+    buffer: Any,
+    hidden: torch.Tensor,
+    routing_map: torch.Tensor,
+    probs: Optional[torch.Tensor],
+    *,
+    num_local_experts: int,
+    num_permuted_tokens: Optional[int] = None,
+    pad_multiple: Optional[int] = None,
+):
+    """Differentiable `buffer.dispatch_with_permute`: gradients reach `hidden` and `probs`.
+
+    Args:
+        hidden: `[T, H]`; routing_map: `[T, E]` bool; probs: `[T, E]` float32 or None.
+        num_permuted_tokens: None (blocking) or a host int capacity (non-blocking).
+
+    Returns:
+        `(rows [P, H], row_probs [P] or None, tokens_per_expert [L], handle)`.
+    """
+    return _Dispatch.apply(hidden, probs, buffer, routing_map, num_local_experts, num_permuted_tokens, pad_multiple)
+
+
+def combine(
+    buffer: Any,
+    rows: torch.Tensor,
+    handle: Any,
+    *,
+    num_permuted_tokens: Optional[int] = None,
+    pad_multiple: Optional[int] = None,
+) -> torch.Tensor:
+    """Differentiable `buffer.combine_with_unpermute`: `[P, H]` rows back to `[T, H]` tokens.
+
+    `num_permuted_tokens` is the dispatch's host int capacity (None after a blocking dispatch);
+    the backward dispatches with it, non-blocking when it is an int.
+    """
+    return _Combine.apply(rows, buffer, handle, num_permuted_tokens, pad_multiple)

@@ -1,0 +1,462 @@
+"""A PyTorch implementation of the part of `deep_ep.HybridEPBuffer` that Megatron-Core uses.
+
+It runs on any torch.distributed process group (NCCL or gloo) and reproduces HybridEP's
+permuted dispatch layout, its non-blocking capacity mode and overflow flag, and its combine.
+
+How tokens move (W ranks, T tokens per rank, rank r owns experts [r * L, (r + 1) * L)):
+
+* Both modes all-gather the `[T, E]` Boolean routing maps (HybridEP does too), so every rank
+  knows every token's destinations and computes its own layout locally.
+* Blocking (`num_permuted_tokens=None`): one host read of a few counts, then an exact
+  all-to-all: each token travels once to each rank that owns one of its experts, with the
+  float32 probs of that rank's experts beside it.
+* Non-blocking (`num_permuted_tokens=C`): no count reaches the host, so every collective has a
+  shape the host already knows: hidden states are all-gathered (W x T rows received per rank
+  instead of the exact T x k_r, k_r the mean number of ranks a token goes to) and the probs of
+  each rank's own experts travel in equal all-to-all slabs (W x T x L floats per rank). The
+  output is C rows; experts past C are truncated last expert first and flagged in the handle.
+* Combine reduces each token's rows on the expert's rank first (float32, in expert order),
+  sends one partial per (token, rank) back, and sums the partials in rank order (float32).
+  Both modes add the same numbers in the same order, so their results are bitwise equal.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron_ext.hybridep.allgather import RoutingMapGather
+from megatron_ext.hybridep.layout import expert_layout, padded_counts
+
+SUPPORTED_HIDDEN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+class HybridEPHandle(NamedTuple):
+    """What combine (and a dispatch that reuses a layout) needs from a dispatch.
+
+    Index 10 is the overflow flag, as in deep_ep's handle (Megatron reads it by position).
+    """
+
+    row_slot: torch.Tensor  # [P] int64: receive slot of each output row (num_slots = zero row)
+    row_expert: torch.Tensor  # [P] int64: local expert of each output row
+    num_slots: int  # receive slots: exact received tokens (blocking) or W * T (non-blocking)
+    send_token: Optional[torch.Tensor]  # blocking: [S] int64 token of each sent row, by destination
+    send_dest: Optional[torch.Tensor]  # blocking: [S] int64 destination rank of each sent row
+    send_splits: Optional[tuple[int, ...]]  # blocking: rows sent to each rank
+    recv_splits: Optional[tuple[int, ...]]  # blocking: rows received from each rank
+    num_tokens: int  # T, tokens per rank at dispatch
+    num_permuted_tokens: int  # P, output rows (exact padded total, or the capacity)
+    non_blocking: bool
+    overflow_flag: torch.Tensor  # [1] int32; written in both modes, 0 unless truncated
+    tokens_per_expert: torch.Tensor  # [L] int64 padded counts, truncated to P
+    pad_multiple: Optional[int]
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """Bytes this rank put on the wire to other ranks in one call (self-copies excluded)."""
+
+    routing_map: int = 0
+    hidden: int = 0
+    probs: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.routing_map + self.hidden + self.probs
+
+
+def _check(condition: bool, argument: str, requirement: str, got: object) -> None:
+    if not condition:
+        raise ValueError(f"HybridEP: `{argument}` must be {requirement}; got {got}.")
+
+
+def _describe(t: Optional[torch.Tensor]) -> str:
+    return "None" if t is None else f"{t.dtype} tensor of shape {tuple(t.shape)}"
+
+
+def _with_zero_row(num_rows: int, width: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """`[num_rows + 1, width]` uninitialised but for a last row of zeros (read by padding rows)."""
+    out = torch.empty(num_rows + 1, width, dtype=dtype, device=device)
+    out[num_rows].zero_()
+    return out
+
+
+def _accumulate(out: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """out[index[i]] += rows[i], adding each slot's rows in their order (deterministic)."""
+    return out.index_put_((index,), rows.to(out.dtype), accumulate=True)
+
+
+class TorchHybridEPBuffer:
+    """`deep_ep.HybridEPBuffer` on torch.distributed.
+
+    The constructor takes deep_ep's arguments; the kernel-tuning ones (`num_sms_*`,
+    `num_blocks_*`, `load_cached_kernels`, `use_shared_buffer`) have no meaning here and are
+    accepted for compatibility. `enable_custom_allgather=True` or `reuse_allgather_buffer=True`
+    gathers routing maps into one buffer per process group instead of a fresh tensor each time.
+
+    `dispatch_with_permute` and `combine_with_unpermute` are plain (non-differentiable) calls, as
+    in deep_ep; `megatron_ext.hybridep.autograd` wraps them for autograd.
+    """
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup,
+        hidden_dim: int,
+        max_num_of_tokens_per_rank: int,
+        num_local_experts: int,
+        use_fp8: bool = False,
+        num_sms_dispatch_api: Optional[int] = None,
+        num_sms_combine_api: Optional[int] = None,
+        num_sms_preprocessing_api: Optional[int] = None,
+        num_blocks_permute: Optional[int] = None,
+        num_blocks_unpermute: Optional[int] = None,
+        load_cached_kernels: bool = False,
+        use_shared_buffer: bool = True,
+        enable_custom_allgather: bool = False,
+        *,
+        reuse_allgather_buffer: bool = False,
+    ):
+        _check(group is not None, "group", "a torch.distributed ProcessGroup", group)
+        _check(isinstance(hidden_dim, int) and hidden_dim > 0, "hidden_dim", "a positive int", hidden_dim)
+        _check(
+            isinstance(max_num_of_tokens_per_rank, int) and max_num_of_tokens_per_rank >= 0,
+            "max_num_of_tokens_per_rank",
+            "a non-negative int",
+            max_num_of_tokens_per_rank,
+        )
+        _check(
+            isinstance(num_local_experts, int) and num_local_experts > 0,
+            "num_local_experts",
+            "a positive int",
+            num_local_experts,
+        )
+        _check(not use_fp8, "use_fp8", "False (the PyTorch HybridEP buffer moves bf16/fp16/fp32 only)", use_fp8)
+        self.group = group
+        self.world_size = group.size()
+        self.rank = group.rank()
+        self.hidden_dim = hidden_dim
+        self.max_num_of_tokens_per_rank = max_num_of_tokens_per_rank
+        self.num_local_experts = num_local_experts
+        self.routing_map_gather = RoutingMapGather(group, reuse=reuse_allgather_buffer or enable_custom_allgather)
+        self.last_dispatch_traffic = Traffic()
+        self.last_combine_traffic = Traffic()
+
+    # ------------------------------------------------------------------ dispatch
+
+    def dispatch_with_permute(
+        self,
+        *,
+        hidden: torch.Tensor,
+        topk_idx: Optional[torch.Tensor] = None,
+        topk_weights: Optional[torch.Tensor] = None,
+        num_of_experts_per_rank: Optional[int] = None,
+        num_of_experts: Optional[int] = None,
+        use_fp8: bool = False,
+        routing_map: Optional[torch.Tensor] = None,
+        probs: Optional[torch.Tensor] = None,
+        scaling_factor: Optional[torch.Tensor] = None,
+        num_permuted_tokens: Optional[int | torch.Tensor] = None,
+        pad_multiple: Optional[int] = None,
+        handle: Optional[HybridEPHandle] = None,
+        non_blocking: bool = False,
+        fuse_permute_dispatch: bool = False,
+    ):
+        """Send each token to the ranks of its experts, grouped by local expert.
+
+        Args:
+            hidden: `[T, H]` bf16/fp16/fp32, this rank's tokens (T equal on every rank).
+            routing_map: `[T, E]` bool, token t goes to expert e; or give `topk_idx` `[T, K]`
+                (with `num_of_experts`) and `topk_weights` `[T, K]` float32.
+            probs: `[T, E]` float32 routing probabilities, or None.
+            num_of_experts_per_rank: local experts per rank (default: the constructor's).
+            num_permuted_tokens: None for a blocking dispatch (exact size, one host read); a host
+                int C (a multiple of `pad_multiple`) for exactly C rows, truncated and flagged
+                when too few (also with non_blocking=False, which still reads counts on the host).
+                With a handle, the handle's size is used and an int must match it; a tensor
+                (stock Megatron passes one) is never read.
+            pad_multiple: pad each expert's rows to a multiple of this (None: no padding).
+            handle: a handle from an earlier dispatch; reuse its layout (no routing needed).
+            non_blocking: True requires `num_permuted_tokens`; nothing is read on the host.
+
+        Returns:
+            `(tokens [P, H], probs [P] float32 or None, None, tokens_per_expert [L] int64, handle)`
+            where P is the padded total (blocking) or C. `handle.overflow_flag` (index 10) is 1
+            when the padded total exceeded C and the tail was dropped.
+        """
+        self._check_hidden(hidden, "hidden")
+        _check(not use_fp8, "use_fp8", "False (no fp8 dispatch in the PyTorch HybridEP buffer)", use_fp8)
+        _check(scaling_factor is None, "scaling_factor", "None (no fp8 dispatch)", _describe(scaling_factor))
+        map_bytes = 0
+        if handle is None:
+            routing_map, probs = self._resolve_routing(
+                hidden, routing_map, probs, topk_idx, topk_weights, num_of_experts, num_of_experts_per_rank
+            )
+            capacity = self._check_capacity(num_permuted_tokens, pad_multiple, non_blocking)
+            handle = self._plan(routing_map, capacity, pad_multiple, non_blocking)
+            map_bytes = (self.world_size - 1) * routing_map.numel()
+        else:
+            self._check_handle(handle, "handle")
+            _check(hidden.shape[0] == handle.num_tokens, "hidden", f"[{handle.num_tokens}, H] to match the handle", _describe(hidden))
+            if isinstance(num_permuted_tokens, int):
+                _check(
+                    num_permuted_tokens == handle.num_permuted_tokens,
+                    "num_permuted_tokens",
+                    f"{handle.num_permuted_tokens} (the handle's) or None when a handle is given",
+                    num_permuted_tokens,
+                )
+            if probs is not None:
+                self._check_probs(probs, handle.num_tokens, self.world_size * self.num_local_experts)
+        rows, row_probs, hidden_bytes, probs_bytes = self._move_rows(hidden, probs, handle)
+        self.last_dispatch_traffic = Traffic(map_bytes, hidden_bytes, probs_bytes)
+        return rows, row_probs, None, handle.tokens_per_expert, handle
+
+    def _resolve_routing(self, hidden, routing_map, probs, topk_idx, topk_weights, num_of_experts, num_local):
+        if num_local is not None:
+            _check(
+                num_local == self.num_local_experts,
+                "num_of_experts_per_rank",
+                f"{self.num_local_experts} (the buffer's num_local_experts)",
+                num_local,
+            )
+        num_tokens = hidden.shape[0]
+        if routing_map is None:
+            _check(topk_idx is not None, "routing_map", "a [T, E] bool tensor (or give topk_idx)", None)
+            _check(isinstance(num_of_experts, int), "num_of_experts", "an int when routing by topk_idx", num_of_experts)
+            _check(
+                topk_idx.dim() == 2 and topk_idx.shape[0] == num_tokens and not topk_idx.is_floating_point(),
+                "topk_idx",
+                f"an integer tensor of shape [{num_tokens}, K]",
+                _describe(topk_idx),
+            )
+            routing_map = torch.zeros(num_tokens, num_of_experts, dtype=torch.bool, device=hidden.device)
+            routing_map.scatter_(1, topk_idx.long(), True)
+            if topk_weights is not None:
+                _check(topk_weights.shape == topk_idx.shape, "topk_weights", f"of shape {tuple(topk_idx.shape)}", _describe(topk_weights))
+                probs = torch.zeros(num_tokens, num_of_experts, dtype=torch.float32, device=hidden.device)
+                probs.scatter_(1, topk_idx.long(), topk_weights.float())
+        num_experts = self.world_size * self.num_local_experts
+        _check(
+            routing_map.dtype == torch.bool and routing_map.dim() == 2,
+            "routing_map",
+            "a 2-D bool tensor [T, E]",
+            _describe(routing_map),
+        )
+        _check(
+            routing_map.shape[0] == num_tokens,
+            "routing_map",
+            f"[{num_tokens}, E] (one row per token of `hidden`)",
+            _describe(routing_map),
+        )
+        _check(
+            routing_map.shape[1] == num_experts,
+            "routing_map",
+            f"[T, {num_experts}]: experts = num_local_experts ({self.num_local_experts}) x ranks "
+            f"({self.world_size}); the number of experts must be divisible by the number of ranks",
+            _describe(routing_map),
+        )
+        if num_of_experts is not None:
+            _check(num_of_experts == num_experts, "num_of_experts", f"{num_experts} (routing_map's columns)", num_of_experts)
+        if probs is not None:
+            self._check_probs(probs, num_tokens, num_experts)
+        return routing_map, probs
+
+    def _check_hidden(self, hidden, argument):
+        _check(isinstance(hidden, torch.Tensor) and hidden.dim() == 2, argument, "a 2-D tensor [T, H]", _describe(hidden) if isinstance(hidden, torch.Tensor) else type(hidden).__name__)
+        _check(hidden.dtype in SUPPORTED_HIDDEN_DTYPES, argument, "bfloat16, float16 or float32", hidden.dtype)
+
+    def _check_probs(self, probs, num_tokens, num_experts):
+        _check(
+            probs.dtype == torch.float32 and tuple(probs.shape) == (num_tokens, num_experts),
+            "probs",
+            f"a float32 tensor of shape [{num_tokens}, {num_experts}]",
+            _describe(probs),
+        )
+
+    @staticmethod
+    def _check_handle(handle, argument):
+        _check(isinstance(handle, HybridEPHandle), argument, "a handle returned by this buffer's dispatch", type(handle).__name__)
+
+    @staticmethod
+    def _check_capacity(num_permuted_tokens, pad_multiple, non_blocking) -> Optional[int]:
+        _check(
+            pad_multiple is None or (isinstance(pad_multiple, int) and pad_multiple > 0),
+            "pad_multiple",
+            "None or a positive int",
+            pad_multiple,
+        )
+        if num_permuted_tokens is None:
+            _check(not non_blocking, "num_permuted_tokens", "a host int when non_blocking=True (the output size)", None)
+            return None
+        _check(
+            isinstance(num_permuted_tokens, int) and not isinstance(num_permuted_tokens, bool) and num_permuted_tokens >= 0,
+            "num_permuted_tokens",
+            "None or a non-negative host int (a tensor would need a host read)",
+            type(num_permuted_tokens).__name__ if not isinstance(num_permuted_tokens, int) else num_permuted_tokens,
+        )
+        if pad_multiple is not None:
+            _check(
+                num_permuted_tokens % pad_multiple == 0,
+                "num_permuted_tokens",
+                f"a multiple of pad_multiple ({pad_multiple})",
+                num_permuted_tokens,
+            )
+        return num_permuted_tokens
+
+    def _plan(self, routing_map, capacity, pad_multiple, non_blocking) -> HybridEPHandle:
+        """Gather the routing maps and compute this rank's layout and send plan."""
+        W, L = self.world_size, self.num_local_experts
+        num_tokens = routing_map.shape[0]
+        global_map = self.routing_map_gather(routing_map)
+        local_map = global_map[:, self.rank * L : (self.rank + 1) * L]
+
+        if non_blocking:
+            layout = expert_layout(local_map, None, W * num_tokens, capacity, pad_multiple)
+            return HybridEPHandle(
+                layout.row_slot, layout.row_expert, W * num_tokens, None, None, None, None,
+                num_tokens, capacity, True, layout.overflow, layout.tokens_per_expert, pad_multiple,
+            )
+
+        # Blocking: the exact layout; one host read of the counts that size the all-to-all.
+        received = local_map.any(dim=1)  # [W * T]: token g has at least one expert here
+        slot_of_token = torch.cumsum(received, dim=0) - 1
+        dest_mask = routing_map.view(num_tokens, W, L).any(dim=2)  # [T, W]
+        send_counts = dest_mask.sum(dim=0)
+        recv_counts = received.view(W, num_tokens).sum(dim=1)
+        total = padded_counts(local_map, pad_multiple).sum().reshape(1)
+        host = torch.cat([send_counts, recv_counts, total]).tolist()  # the one host read
+        send_splits, recv_splits, padded_total = tuple(host[:W]), tuple(host[W : 2 * W]), host[2 * W]
+        # A capacity with non_blocking=False sizes the output as in non-blocking mode (deep_ep
+        # would write out of bounds when it is too small): truncated and flagged, never raised
+        # here, because a raise on one rank would leave the others waiting in the all-to-all.
+        num_rows = padded_total if capacity is None else capacity
+        num_slots = sum(recv_splits)
+        layout = expert_layout(local_map, slot_of_token, num_slots, num_rows, pad_multiple)
+        # Sent rows grouped by destination rank, ascending token index within each.
+        pairs = torch.nonzero_static(dest_mask.t(), size=sum(send_splits))
+        send_dest, send_token = pairs[:, 0], pairs[:, 1]
+        return HybridEPHandle(
+            layout.row_slot, layout.row_expert, num_slots, send_token, send_dest, send_splits, recv_splits,
+            num_tokens, num_rows, False, layout.overflow, layout.tokens_per_expert, pad_multiple,
+        )
+
+    def _move_rows(self, hidden, probs, handle: HybridEPHandle):
+        """Bring the rows of `handle`'s layout to this rank and place them."""
+        W, L, T = self.world_size, self.num_local_experts, handle.num_tokens
+        width, elt = hidden.shape[1], hidden.element_size()
+        if handle.non_blocking:
+            received = _with_zero_row(W * T, width, hidden.dtype, hidden.device)
+            dist.all_gather_into_tensor(received[: W * T], hidden.contiguous(), group=self.group)
+            hidden_bytes = (W - 1) * T * width * elt
+        else:
+            received = _with_zero_row(handle.num_slots, width, hidden.dtype, hidden.device)
+            self._all_to_all(received[: handle.num_slots], hidden[handle.send_token], handle.recv_splits, handle.send_splits)
+            hidden_bytes = self._sent_elsewhere(handle.send_splits) * width * elt
+        rows = received[handle.row_slot]
+
+        row_probs, probs_bytes = None, 0
+        if probs is not None:
+            per_rank = probs.view(T, W, L)
+            table = _with_zero_row(handle.num_slots, L, torch.float32, probs.device)
+            if handle.non_blocking:
+                self._all_to_all(table[: W * T], per_rank.transpose(0, 1).reshape(W * T, L))
+                probs_bytes = (W - 1) * T * L * 4
+            else:
+                sent = per_rank[handle.send_token, handle.send_dest]
+                self._all_to_all(table[: handle.num_slots], sent, handle.recv_splits, handle.send_splits)
+                probs_bytes = self._sent_elsewhere(handle.send_splits) * L * 4
+            row_probs = table[handle.row_slot, handle.row_expert]
+
+        return rows, row_probs, hidden_bytes, probs_bytes
+
+    # ------------------------------------------------------------------ combine
+
+    def combine_with_unpermute(
+        self,
+        *,
+        hidden: torch.Tensor,
+        probs: Optional[torch.Tensor] = None,
+        handle: HybridEPHandle,
+        pad_multiple: Optional[int] = None,
+        fuse_unpermute_combine: bool = False,
+    ):
+        """Return each token the unweighted sum of its rows, over every expert and rank.
+
+        Args:
+            hidden: `[P, H]` rows in the dispatch layout of `handle` (padding rows and rows past
+                the padded total are ignored).
+            probs: `[P]` float32 per-row values (e.g. gradients of dispatched probs), or None.
+            handle: the handle of the dispatch that produced the layout.
+
+        Returns:
+            `(tokens [T, H] in hidden's dtype, probs [T, E] float32 or None)`.
+        """
+        self._check_handle(handle, "handle")
+        self._check_hidden(hidden, "hidden")
+        P, T, W, L = handle.num_permuted_tokens, handle.num_tokens, self.world_size, self.num_local_experts
+        _check(hidden.shape[0] == P, "hidden", f"[{P}, H] (the dispatch's rows)", _describe(hidden))
+        if pad_multiple is not None:
+            _check(pad_multiple == handle.pad_multiple, "pad_multiple", f"{handle.pad_multiple} (the dispatch's)", pad_multiple)
+        width, elt = hidden.shape[1], hidden.element_size()
+
+        # 1. On the expert's rank: one float32 partial per received token, experts in order.
+        partial = torch.zeros(handle.num_slots + 1, width, dtype=torch.float32, device=hidden.device)
+        _accumulate(partial, handle.row_slot, hidden)
+        partial = partial[: handle.num_slots].to(hidden.dtype)
+
+        # 2. Partials back to their source ranks; 3. summed there in rank order, in float32.
+        out = torch.zeros(T, width, dtype=torch.float32, device=hidden.device)
+        if handle.non_blocking:
+            back = torch.empty(W * T, width, dtype=hidden.dtype, device=hidden.device)
+            self._all_to_all(back, partial)
+            _accumulate(out, torch.arange(T, device=hidden.device).repeat(W), back)
+            hidden_bytes = (W - 1) * T * width * elt
+        else:
+            back = torch.empty(sum(handle.send_splits), width, dtype=hidden.dtype, device=hidden.device)
+            self._all_to_all(back, partial, handle.send_splits, handle.recv_splits)
+            _accumulate(out, handle.send_token, back)
+            hidden_bytes = self._sent_elsewhere(handle.recv_splits) * width * elt
+        tokens = out.to(hidden.dtype)
+
+        token_probs, probs_bytes = None, 0
+        if probs is not None:
+            _check(probs.dtype == torch.float32 and tuple(probs.shape) == (P,), "probs", f"a float32 tensor of shape [{P}]", _describe(probs))
+            table = torch.zeros(handle.num_slots + 1, L, dtype=torch.float32, device=probs.device)
+            table.index_put_((handle.row_slot, handle.row_expert), probs)
+            table = table[: handle.num_slots]
+            if handle.non_blocking:
+                back_probs = torch.empty(W * T, L, dtype=torch.float32, device=probs.device)
+                self._all_to_all(back_probs, table)
+                token_probs = back_probs.view(W, T, L).transpose(0, 1).reshape(T, W * L)
+                probs_bytes = (W - 1) * T * L * 4
+            else:
+                back_probs = torch.empty(sum(handle.send_splits), L, dtype=torch.float32, device=probs.device)
+                self._all_to_all(back_probs, table, handle.send_splits, handle.recv_splits)
+                token_probs = torch.zeros(T, W, L, dtype=torch.float32, device=probs.device)
+                token_probs[handle.send_token, handle.send_dest] = back_probs
+                token_probs = token_probs.view(T, W * L)
+                probs_bytes = self._sent_elsewhere(handle.recv_splits) * L * 4
+        self.last_combine_traffic = Traffic(0, hidden_bytes, probs_bytes)
+        return tokens, token_probs
+
+    # ------------------------------------------------------------------ helpers
+
+    def _all_to_all(
+        self,
+        out: torch.Tensor,
+        inp: torch.Tensor,
+        out_splits: Optional[Sequence[int]] = None,
+        in_splits: Optional[Sequence[int]] = None,
+    ) -> None:
+        dist.all_to_all_single(
+            out,
+            inp.contiguous(),
+            output_split_sizes=None if out_splits is None else list(out_splits),
+            input_split_sizes=None if in_splits is None else list(in_splits),
+            group=self.group,
+        )
+
+    def _sent_elsewhere(self, splits: Sequence[int]) -> int:
+        return sum(splits) - splits[self.rank]

@@ -1,0 +1,183 @@
+"""A dispatch/combine round trip of the PyTorch HybridEP buffer across ranks, checked and timed.
+
+    python -m megatron_ext.roundtrip                 # 4 CPU ranks on gloo (spawned)
+    torchrun --nproc-per-node 8 -m megatron_ext.roundtrip --backend nccl   # one rank per GPU
+
+Each rank routes random tokens (top-k of E experts), then runs the blocking dispatch and a
+non-blocking one sized to ceil(rows x factor), the latter under `forbid_host_sync()`. It checks
+that combine(dispatch(x)) gives each token x times the number of its experts, that the
+non-blocking rows, counts and combine equal the blocking ones bitwise with the overflow flag 0,
+and that too small a capacity raises the flag. It prints the bytes each mode sent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+import os
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+
+
+def _parse(argv=None):
+    p = argparse.ArgumentParser(prog="python -m megatron_ext.roundtrip", description=__doc__.split("\n\n")[0])
+    p.add_argument("--world-size", type=int, default=4, help="ranks to spawn when not under torchrun (default 4)")
+    p.add_argument("--backend", choices=("gloo", "nccl"), default="gloo", help="gloo on CPU (default) or nccl on GPUs")
+    p.add_argument("--tokens", type=int, default=512, help="tokens per rank (default 512)")
+    p.add_argument("--hidden", type=int, default=256, help="hidden size (default 256)")
+    p.add_argument("--experts", type=int, default=16, help="experts in all (default 16; divisible by ranks)")
+    p.add_argument("--topk", type=int, default=4, help="experts per token (default 4)")
+    p.add_argument("--pad-multiple", type=int, default=None, help="pad each expert's rows to this multiple")
+    p.add_argument("--capacity-factor", type=float, default=1.5, help="non-blocking capacity = ceil(rows x factor)")
+    p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+    p.add_argument("--iters", type=int, default=5, help="timed dispatches per mode (default 5)")
+    args = p.parse_args(argv)
+    if not 1 <= args.topk <= args.experts:
+        p.error(f"--topk {args.topk} must be between 1 and --experts ({args.experts})")
+    if args.capacity_factor < 1.0:
+        p.error(f"--capacity-factor {args.capacity_factor} would drop tokens; use >= 1.0")
+    return args
+
+
+def _round_up(x: int, m: int | None) -> int:
+    return x if not m else -(-x // m) * m
+
+
+def _host_ms(fn, iters: int) -> float:
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def _run(rank: int, world_size: int, args) -> tuple[list[str], list[str]]:
+    """Returns (report lines, failures) of this rank."""
+    from megatron_ext.hybridep import TorchHybridEPBuffer
+    from megatron_ext.sync import forbid_host_sync
+
+    device = torch.device("cuda", torch.cuda.current_device()) if args.backend == "nccl" else torch.device("cpu")
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    if args.experts % world_size:
+        raise SystemExit(f"--experts {args.experts} must be divisible by the {world_size} ranks")
+    num_local = args.experts // world_size
+    gen = torch.Generator(device="cpu").manual_seed(rank)
+    x = torch.randn(args.tokens, args.hidden, generator=gen).to(device=device, dtype=dtype)
+    chosen = torch.rand(args.tokens, args.experts, generator=gen).topk(args.topk, dim=1).indices
+    routing = torch.zeros(args.tokens, args.experts, dtype=torch.bool).scatter_(1, chosen, True).to(device)
+    probs = (torch.rand(args.tokens, args.experts, generator=gen).to(device) * routing).float()
+    buf = TorchHybridEPBuffer(dist.group.WORLD, args.hidden, args.tokens, num_local, reuse_allgather_buffer=True)
+    pm = args.pad_multiple
+
+    def blocking():
+        return buf.dispatch_with_permute(hidden=x, routing_map=routing, probs=probs, pad_multiple=pm)
+
+    rows, row_probs, _, counts, handle = blocking()
+    blocking_traffic = buf.last_dispatch_traffic
+    combined, _ = buf.combine_with_unpermute(hidden=rows, handle=handle)
+    exact = rows.shape[0]
+    local_max = torch.tensor([exact], device=device)
+    dist.all_reduce(local_max, op=dist.ReduceOp.MAX)
+    capacity = _round_up(math.ceil(int(local_max.item()) * args.capacity_factor), pm or 4)
+
+    def non_blocking():
+        return buf.dispatch_with_permute(hidden=x, routing_map=routing, probs=probs, pad_multiple=pm,
+                                         num_permuted_tokens=capacity, non_blocking=True)
+
+    with forbid_host_sync():
+        nb_rows, nb_probs, _, nb_counts, nb_handle = non_blocking()
+        nb_combined, _ = buf.combine_with_unpermute(hidden=nb_rows, handle=nb_handle)
+    nb_traffic = buf.last_dispatch_traffic
+    tight_capacity = exact // 2 // (pm or 1) * (pm or 1)
+    tight = buf.dispatch_with_permute(hidden=x, routing_map=routing, probs=probs, pad_multiple=pm,
+                                      num_permuted_tokens=tight_capacity, non_blocking=True)
+    expected = (x.double() * routing.sum(1, keepdim=True)).to(dtype)
+
+    failures = []
+
+    def check(ok: bool, what: str):
+        if not ok:
+            failures.append(f"rank {rank}: {what}")
+
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    check(torch.allclose(combined.double(), expected.double(), **tol), "combine(dispatch(x)) != x * experts per token")
+    check(torch.equal(nb_rows[:exact], rows) and not nb_rows[exact:].any(), "non-blocking rows != blocking rows")
+    check(torch.equal(nb_probs[:exact], row_probs), "non-blocking probs != blocking probs")
+    check(torch.equal(nb_counts, counts), "non-blocking tokens_per_expert != blocking")
+    check(torch.equal(nb_combined, combined), "non-blocking combine != blocking combine")
+    check(int(nb_handle[10]) == 0, "overflow flag set with enough capacity")
+    check(int(tight[4][10]) == int(exact > tight_capacity), "overflow flag wrong with too little capacity")
+    host_blocking = _host_ms(blocking, args.iters)
+    host_nb = _host_ms(non_blocking, args.iters)
+    lines = [
+        f"rank {rank}: {exact} rows exact, capacity {capacity}; host ms per dispatch call: "
+        f"blocking {host_blocking:.2f}, non-blocking {host_nb:.2f}",
+        f"rank {rank}: bytes sent per dispatch (map + hidden + probs): blocking {blocking_traffic.total} "
+        f"({blocking_traffic.routing_map} + {blocking_traffic.hidden} + {blocking_traffic.probs}), "
+        f"non-blocking {nb_traffic.total} ({nb_traffic.routing_map} + {nb_traffic.hidden} + {nb_traffic.probs})",
+    ]
+    return lines, failures
+
+
+def _report(rank, world_size, result) -> bool:
+    """Print every rank's lines and failures on rank 0; True when no rank failed."""
+    gathered = [None] * world_size
+    dist.all_gather_object(gathered, result)
+    if rank == 0:
+        for lines, failures in gathered:
+            print("\n".join(lines + [f"FAILED {f}" for f in failures]))
+    return not any(failures for _, failures in gathered)
+
+
+def _entry(rank, world_size, init_file, args, status_file):
+    if args.backend == "nccl":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group(args.backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=120))
+    try:
+        ok = _report(rank, world_size, _run(rank, world_size, args))
+        if rank == 0:
+            with open(status_file, "w") as f:
+                f.write("ok" if ok else "failed")
+    finally:
+        dist.destroy_process_group()
+
+
+def main(argv=None) -> int:
+    args = _parse(argv)
+    checked = (
+        "combine(dispatch(x)) == x * experts per token; non-blocking (under forbid_host_sync) rows, probs, "
+        "counts and combine == blocking, bitwise; overflow flag 0 with room, 1 with too little"
+    )
+    if "RANK" in os.environ:  # under torchrun
+        if args.backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(args.backend)
+        try:
+            ok = _report(dist.get_rank(), dist.get_world_size(), _run(dist.get_rank(), dist.get_world_size(), args))
+        finally:
+            dist.destroy_process_group()
+        if int(os.environ["RANK"]) == 0:
+            print(("OK: " if ok else "FAILED: ") + checked)
+        return 0 if ok else 1
+    import torch.multiprocessing as mp
+
+    world_size = args.world_size
+    print(f"round trip on {world_size} {args.backend} ranks: T={args.tokens} H={args.hidden} E={args.experts} "
+          f"top-{args.topk} {args.dtype}, capacity factor {args.capacity_factor}", flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        status = os.path.join(tmp, "status")
+        mp.spawn(_entry, args=(world_size, os.path.join(tmp, "init"), args, status), nprocs=world_size)
+        ok = open(status).read() == "ok"
+    print(("OK: " if ok else "FAILED: ") + checked)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,217 @@
+"""Proving "no host synchronisation": a guard that traps host reads, and a GPU run-ahead probe.
+
+`forbid_host_sync()` raises on any host read of a tensor's value; `count_host_syncs()` counts
+them instead. Both trap three layers, because no single one sees everything:
+
+* Python methods that read a value on the host: `Tensor.item`, `tolist`, `__bool__`, `__int__`,
+  `__float__`, `__index__`, `cpu`, `numpy`, and on CUDA `Event.synchronize`,
+  `Stream.synchronize` and `torch.cuda.synchronize` (torch's sync-debug mode misses these).
+* Operators whose output size depends on tensor values, seen at the dispatcher whatever the
+  device (so a CPU test catches what would stall a GPU): `nonzero`, `masked_select`, Boolean-mask
+  indexing, `unique`, `repeat_interleave` without `output_size`, and the scalar reads behind
+  `is_nonzero` / `equal` / `_local_scalar_dense`.
+* On CUDA, `torch.cuda.set_sync_debug_mode("error")` for synchronising copies inside kernels.
+
+The ground truth on a GPU is `runahead_probe`: queue a long GPU sleep, then time how long the
+host takes to enqueue a step. A step that never waits returns long before the sleep ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+aten = torch.ops.aten
+
+
+class HostSyncError(RuntimeError):
+    """A host read of a device value happened where none is allowed."""
+
+
+_TENSOR_METHODS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy")
+
+_SYNCING_OPS = {
+    aten._local_scalar_dense.default: "a scalar read (_local_scalar_dense)",
+    aten.is_nonzero.default: "Tensor.is_nonzero()",
+    aten.equal.default: "torch.equal()",
+    aten.nonzero.default: "torch.nonzero() (output size depends on values)",
+    aten.masked_select.default: "torch.masked_select() (output size depends on values)",
+    aten._unique2.default: "torch.unique() (output size depends on values)",
+    aten.unique_consecutive.default: "torch.unique_consecutive() (output size depends on values)",
+    aten.unique_dim.default: "torch.unique(dim=...) (output size depends on values)",
+}
+
+
+@dataclass
+class SyncEvent:
+    what: str
+
+
+@dataclass
+class SyncLog:
+    """What a `count_host_syncs()` block saw."""
+
+    events: list[SyncEvent] = field(default_factory=list)
+
+    @property
+    def count(self) -> int:
+        return len(self.events)
+
+
+_state = threading.local()  # .inside: a trapped Python method is running (don't count twice)
+_active: list["_Guard"] = []
+_originals: dict[tuple[object, str], Callable] = {}
+
+
+def _report(what: str) -> None:
+    if getattr(_state, "inside", False) or not _active:
+        return
+    _active[-1].record(what)
+
+
+def _wrap(owner: object, name: str, label: str) -> None:
+    original = getattr(owner, name)
+    _originals[(owner, name)] = original
+
+    def trapped(*args, **kwargs):
+        _report(label)
+        _state.inside = True
+        try:
+            return original(*args, **kwargs)
+        finally:
+            _state.inside = False
+
+    trapped.__name__ = name
+    trapped.__wrapped__ = original
+    setattr(owner, name, trapped)
+
+
+def _install() -> None:
+    for name in _TENSOR_METHODS:
+        _wrap(torch.Tensor, name, f"Tensor.{name}()")
+    if torch.cuda.is_available():
+        _wrap(torch.cuda.Event, "synchronize", "torch.cuda.Event.synchronize()")
+        _wrap(torch.cuda.Stream, "synchronize", "torch.cuda.Stream.synchronize()")
+        _wrap(torch.cuda, "synchronize", "torch.cuda.synchronize()")
+
+
+def _uninstall() -> None:
+    for (owner, name), original in _originals.items():
+        setattr(owner, name, original)
+    _originals.clear()
+
+
+class _SyncingOpMode(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        what = _SYNCING_OPS.get(func)
+        if what is None and func is aten.index.Tensor:
+            if any(i is not None and i.dtype == torch.bool for i in args[1]):
+                what = "Boolean-mask indexing (output size depends on values)"
+        elif what is None and func is aten.repeat_interleave.Tensor and kwargs.get("output_size") is None:
+            what = "torch.repeat_interleave() without output_size"
+        if what is not None:
+            _report(what)
+        return func(*args, **kwargs)
+
+
+class _Guard:
+    def __init__(self, raise_on_sync: bool):
+        self.raise_on_sync = raise_on_sync
+        self.log = SyncLog()
+
+    def record(self, what: str) -> None:
+        self.log.events.append(SyncEvent(what))
+        if self.raise_on_sync:
+            raise HostSyncError(
+                f"host synchronisation under forbid_host_sync(): {what}. This path must not read "
+                "device values on the host; keep sizes as host ints and checks on the device "
+                "(torch._assert_async)."
+            )
+
+
+@contextlib.contextmanager
+def _guard(raise_on_sync: bool) -> Iterator[SyncLog]:
+    guard = _Guard(raise_on_sync)
+    if not _active:
+        _install()
+    _active.append(guard)
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    previous_debug_mode = torch.cuda.get_sync_debug_mode() if cuda else 0
+    if cuda:
+        torch.cuda.set_sync_debug_mode("error" if raise_on_sync else "warn")
+    try:
+        with _SyncingOpMode():
+            yield guard.log
+    finally:
+        if cuda:
+            torch.cuda.set_sync_debug_mode(previous_debug_mode)
+        _active.remove(guard)
+        if not _active:
+            _uninstall()
+
+
+def forbid_host_sync() -> contextlib.AbstractContextManager[SyncLog]:
+    """Raise `HostSyncError` on any host read of a tensor's value inside the block."""
+    return _guard(raise_on_sync=True)
+
+
+def count_host_syncs() -> contextlib.AbstractContextManager[SyncLog]:
+    """Count host reads of tensor values inside the block (`log.count`, `log.events`)."""
+    return _guard(raise_on_sync=False)
+
+
+@dataclass(frozen=True)
+class RunAhead:
+    """Host time to enqueue a step with the GPU idle and behind a queued GPU sleep."""
+
+    host_idle_ms: float
+    host_behind_sleep_ms: float
+    gpu_sleep_ms: float
+
+    @property
+    def waited(self) -> bool:
+        """True when the host waited for the GPU (its time grew by more than half the sleep)."""
+        return self.host_behind_sleep_ms - self.host_idle_ms > 0.5 * self.gpu_sleep_ms
+
+    def __str__(self) -> str:
+        verdict = "WAITED for the GPU" if self.waited else "ran ahead of the GPU"
+        return (
+            f"host {self.host_idle_ms:.1f} ms with the GPU idle, {self.host_behind_sleep_ms:.1f} ms "
+            f"behind a {self.gpu_sleep_ms:.0f} ms GPU sleep: {verdict}"
+        )
+
+
+def runahead_probe(step: Callable[[], object], sleep_ms: float = 300.0, warmup: int = 2,
+                   clock_ghz: float = 1.98) -> RunAhead:
+    """Does `step()` make the host wait for the GPU? (CUDA only.)
+
+    Runs `step` `warmup` times, times one call with the GPU idle, then queues a GPU sleep of about
+    `sleep_ms` (its real length is measured with CUDA events) and times one more call. The GPU
+    sleep is `torch.cuda._sleep(cycles)` with cycles = sleep_ms x `clock_ghz` (the H200's SM clock
+    by default); only the measured length is reported.
+    """
+    if not torch.cuda.is_available():
+        raise RuntimeError("runahead_probe needs a CUDA device; use forbid_host_sync() on CPU.")
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    step()
+    idle_ms = (time.perf_counter() - start) * 1e3
+    torch.cuda.synchronize()
+    before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    before.record()
+    torch.cuda._sleep(int(sleep_ms * 1e6 * clock_ghz))
+    after.record()
+    start = time.perf_counter()
+    step()
+    behind_ms = (time.perf_counter() - start) * 1e3
+    torch.cuda.synchronize()
+    return RunAhead(idle_ms, behind_ms, before.elapsed_time(after))

@@ -1,0 +1,132 @@
+"""Bad input to the PyTorch HybridEP buffer raises ValueError naming the argument and the fix.
+
+Every check here fires before the first collective, so one process is enough: a real one-rank
+gloo group, and a stand-in group that claims two ranks for the checks that need several.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_ext.hybridep import TorchHybridEPBuffer
+
+
+class _TwoRanks:
+    """Only what the buffer reads before communicating: size and rank."""
+
+    def size(self):
+        return 2
+
+    def rank(self):
+        return 0
+
+
+@pytest.fixture(scope="module")
+def group(tmp_path_factory):
+    init = tmp_path_factory.mktemp("pg") / "init"
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=0, world_size=1)
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+def _inputs(tokens=6, experts=4, hidden=8):
+    torch.manual_seed(0)
+    routing = torch.rand(tokens, experts) > 0.5
+    return torch.randn(tokens, hidden), routing, torch.rand(tokens, experts) * routing
+
+
+def _raises(argument, fragment, fn, **kwargs):
+    with pytest.raises(ValueError, match=re.escape(f"`{argument}` must be")) as err:
+        fn(**kwargs)
+    assert fragment in str(err.value), str(err.value)
+
+
+@pytest.mark.parametrize(
+    "kwargs, argument, fragment",
+    [
+        (dict(use_fp8=True), "use_fp8", "False"),
+        (dict(num_local_experts=0), "num_local_experts", "positive int"),
+        (dict(hidden_dim=0), "hidden_dim", "positive int"),
+        (dict(max_num_of_tokens_per_rank=-1), "max_num_of_tokens_per_rank", "non-negative"),
+    ],
+)
+def test_constructor_rejects(group, kwargs, argument, fragment):
+    args = dict(group=group, hidden_dim=8, max_num_of_tokens_per_rank=6, num_local_experts=4) | kwargs
+    _raises(argument, fragment, TorchHybridEPBuffer, **args)
+
+
+def _dispatch_case(name):
+    x, m, p = _inputs()
+    cases = {
+        "hidden dtype": (dict(hidden=x.long()), "hidden", "bfloat16, float16 or float32"),
+        "hidden rank": (dict(hidden=x.unsqueeze(0)), "hidden", "2-D tensor"),
+        "map dtype": (dict(routing_map=m.float()), "routing_map", "bool"),
+        "map rows": (dict(routing_map=m[:-1]), "routing_map", "one row per token"),
+        "probs dtype": (dict(probs=p.bfloat16()), "probs", "float32"),
+        "probs shape": (dict(probs=p[:, :2]), "probs", "[6, 4]"),
+        "non-blocking without capacity": (dict(non_blocking=True), "num_permuted_tokens", "non_blocking=True"),
+        "capacity not multiple": (dict(num_permuted_tokens=10, pad_multiple=4, non_blocking=True), "num_permuted_tokens", "multiple of pad_multiple (4)"),
+        "capacity tensor": (dict(num_permuted_tokens=torch.tensor(8), non_blocking=True), "num_permuted_tokens", "host int"),
+        "capacity negative": (dict(num_permuted_tokens=-4, non_blocking=True), "num_permuted_tokens", "non-negative"),
+        "pad zero": (dict(pad_multiple=0), "pad_multiple", "positive int"),
+        "local experts": (dict(num_of_experts_per_rank=2), "num_of_experts_per_rank", "4"),
+        "fp8": (dict(use_fp8=True), "use_fp8", "False"),
+        "scaling": (dict(scaling_factor=torch.ones(6)), "scaling_factor", "None"),
+        "no routing": (dict(routing_map=None), "routing_map", "or give topk_idx"),
+        "num_of_experts": (dict(num_of_experts=8), "num_of_experts", "4"),
+    }
+    overrides, argument, fragment = cases[name]
+    return dict(hidden=x, routing_map=m, probs=p) | overrides, argument, fragment
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "hidden dtype", "hidden rank", "map dtype", "map rows", "probs dtype", "probs shape",
+        "non-blocking without capacity", "capacity not multiple", "capacity tensor", "capacity negative",
+        "pad zero", "local experts", "fp8", "scaling", "no routing", "num_of_experts",
+    ],
+)
+def test_dispatch_rejects(group, name):
+    buf = TorchHybridEPBuffer(group, 8, 6, 4)
+    kwargs, argument, fragment = _dispatch_case(name)
+    _raises(argument, fragment, buf.dispatch_with_permute, **kwargs)
+
+
+def test_experts_not_divisible_by_ranks():
+    buf = TorchHybridEPBuffer(_TwoRanks(), 8, 6, 2)
+    x, m, p = _inputs(experts=5)
+    _raises("routing_map", "divisible by the number of ranks", buf.dispatch_with_permute, hidden=x, routing_map=m, probs=p)
+
+
+def test_combine_rejects(group):
+    buf = TorchHybridEPBuffer(group, 8, 6, 4)
+    x, m, p = _inputs()
+    rows, row_probs, _, _, handle = buf.dispatch_with_permute(hidden=x, routing_map=m, probs=p, pad_multiple=4)
+    _raises("hidden", f"[{rows.shape[0]}, H]", buf.combine_with_unpermute, hidden=rows[:-1], handle=handle)
+    _raises("handle", "handle returned by this buffer", buf.combine_with_unpermute, hidden=rows, handle=tuple(handle))
+    _raises("probs", "float32", buf.combine_with_unpermute, hidden=rows, probs=row_probs.double(), handle=handle)
+    _raises("pad_multiple", "4 (the dispatch's)", buf.combine_with_unpermute, hidden=rows, handle=handle, pad_multiple=16)
+    _raises("num_permuted_tokens", "the handle's", buf.dispatch_with_permute, hidden=x, handle=handle, num_permuted_tokens=3)
+    _raises("hidden", "[6, H] to match the handle", buf.dispatch_with_permute, hidden=x[:-1], handle=handle)
+
+
+def test_edge_inputs_work(group):
+    """Tokens routed nowhere, experts that receive nothing, an empty dispatch, top-k indices."""
+    buf = TorchHybridEPBuffer(group, 8, 6, 4)
+    x, m, p = _inputs()
+    nothing = torch.zeros_like(m)
+    rows, row_probs, _, counts, handle = buf.dispatch_with_permute(hidden=x, routing_map=nothing, probs=p * 0)
+    assert rows.shape == (0, 8) and row_probs.shape == (0,) and counts.tolist() == [0, 0, 0, 0]
+    out, out_probs = buf.combine_with_unpermute(hidden=rows, probs=row_probs, handle=handle)
+    assert not out.any() and not out_probs.any() and out.shape == x.shape
+    topk = torch.tensor([[0, 2]] * 6)
+    rows, row_probs, _, counts, _ = buf.dispatch_with_permute(
+        hidden=x, topk_idx=topk, topk_weights=torch.full((6, 2), 0.5), num_of_experts=4
+    )
+    assert counts.tolist() == [6, 0, 6, 0]
+    assert torch.equal(rows, torch.cat([x, x])) and torch.equal(row_probs, torch.full((12,), 0.5))

@@ -1,0 +1,63 @@
+"""The sync guard traps every host read it promises to, lets sync-free work through, and cleans up."""
+
+import pytest
+import torch
+
+from megatron_ext.sync import HostSyncError, count_host_syncs, forbid_host_sync, runahead_probe
+
+X = torch.arange(1.0, 6.0)
+
+SYNCING = {
+    "item": lambda: X.sum().item(),
+    "tolist": lambda: X.tolist(),
+    "bool": lambda: bool(X[0] > 0),
+    "int": lambda: int(X[0]),
+    "float": lambda: float(X[0]),
+    "index": lambda: [1, 2, 3][torch.tensor(1)],
+    "cpu": lambda: X.cpu(),
+    "numpy": lambda: X.numpy(),
+    "nonzero": lambda: X.nonzero(),
+    "mask indexing": lambda: X[X > 2],
+    "masked_select": lambda: X.masked_select(X > 2),
+    "unique": lambda: torch.unique(X),
+    "repeat_interleave": lambda: torch.repeat_interleave(torch.tensor([1, 2])),
+    "equal": lambda: torch.equal(X, X),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SYNCING))
+def test_guard_raises_on_host_read(name):
+    with pytest.raises(HostSyncError, match="host synchronisation under forbid_host_sync"):
+        with forbid_host_sync():
+            SYNCING[name]()
+
+
+def test_sync_free_work_passes():
+    with forbid_host_sync() as log:
+        y = torch.cumsum(X, 0) * 2
+        torch.nonzero_static(X > 2, size=3)
+        torch.repeat_interleave(torch.tensor([1, 2]), output_size=3)
+        (y.requires_grad_() * 3).sum().backward()
+    assert log.count == 0
+
+
+def test_count_mode_counts_each_read_once():
+    with count_host_syncs() as log:
+        X.sum().item()
+        X.tolist()
+        X.nonzero()
+    assert [e.what for e in log.events] == ["Tensor.item()", "Tensor.tolist()", "torch.nonzero() (output size depends on values)"]
+
+
+def test_guard_restores_tensor_methods():
+    before = torch.Tensor.item
+    with forbid_host_sync():
+        assert torch.Tensor.item is not before
+    assert torch.Tensor.item is before
+    assert X.sum().item() == 15.0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only error")
+def test_runahead_probe_needs_cuda():
+    with pytest.raises(RuntimeError, match="needs a CUDA device"):
+        runahead_probe(lambda: None)

@@ -1,0 +1,287 @@
+"""The PyTorch HybridEP buffer against the dense reference, on 1, 2 and 4 spawned gloo ranks.
+
+One spawn per world size runs every case; each rank records, per check, "ok" or the failure,
+and the tests below read those records. Inside a case every rank runs the same collectives
+before any assertion, so a failing check cannot leave the ranks out of step.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests import reference
+from tests.distributed import run_ranks
+
+WORLD_SIZES = (1, 2, 4)
+# (tokens per rank, experts, top-k, pad_multiple, hidden dtype, expert 0 left empty)
+CASES = (
+    (12, 8, 1, None, torch.float32, False),
+    (24, 16, 8, 4, torch.bfloat16, False),
+    (9, 8, 2, 16, torch.float32, True),
+    (32, 16, 4, None, torch.bfloat16, True),
+    (5, 4, 3, 4, torch.float32, False),
+    (16, 8, 8, 4, torch.float32, False),
+)
+HIDDEN = 16
+TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=3e-2)}
+
+
+def _round_up(x, m):
+    return x if m is None else -(-x // m) * m
+
+
+def _round_down(x, m):
+    return x if m is None else x // m * m
+
+
+class _Checks:
+    """Records the outcome of named checks on one rank."""
+
+    def __init__(self):
+        self.results = {}
+
+    def run(self, name, fn, *args):
+        try:
+            fn(*args)
+            self.results.setdefault(name, "ok")
+        except Exception:  # noqa: BLE001 - recorded and asserted by the parent test
+            self.results[name] = traceback.format_exc()
+
+
+def _forward_backward(buf, x, m, p, rank, weights, num_local, capacity, pad_multiple):
+    """dispatch -> per-row weighting by the dispatched probs -> combine -> loss -> backward."""
+    from megatron_ext.hybridep import combine, dispatch
+
+    x = x.clone().requires_grad_()
+    p = p.clone().requires_grad_()
+    rows, row_probs, counts, handle = dispatch(
+        buf, x, m, p, num_local_experts=num_local, num_permuted_tokens=capacity, pad_multiple=pad_multiple
+    )
+    weighted = rows * row_probs.unsqueeze(1).to(rows.dtype)
+    out = combine(buf, weighted, handle, num_permuted_tokens=capacity, pad_multiple=pad_multiple)
+    (out.float() * weights[rank]).sum().backward()
+    return dict(rows=rows.detach(), row_probs=row_probs.detach(), counts=counts, flag=handle[10],
+                out=out.detach(), grad_x=x.grad, grad_p=p.grad, handle=handle)
+
+
+def _reference_forward_backward(hidden, maps, probs, weights, world_size, pad_multiple):
+    xs = [h.double().requires_grad_() for h in hidden]
+    ps = [p.double().requires_grad_() for p in probs]
+    dispatched = reference.dispatch(xs, maps, ps, world_size, pad_multiple)
+    weighted = [rows * row_probs.unsqueeze(1) for rows, row_probs, _ in dispatched]
+    outs = reference.combine(weighted, maps, world_size, pad_multiple)
+    sum((o * w.double()).sum() for o, w in zip(outs, weights)).backward()
+    return dispatched, outs, [x.grad for x in xs], [p.grad for p in ps]
+
+
+def _case(checks, rank, world_size, index, case):
+    from megatron_ext.hybridep import TorchHybridEPBuffer
+    from megatron_ext.sync import forbid_host_sync
+
+    num_tokens, num_experts, topk, pad_multiple, dtype, empty_expert = case
+    num_local = num_experts // world_size
+    gen = torch.Generator().manual_seed(1000 * world_size + index)
+    hidden, maps, probs = reference.random_routing(gen, world_size, num_tokens, num_experts, topk, HIDDEN, dtype)
+    if empty_expert:
+        for m, p in zip(maps, probs):
+            m[:, 0] = False
+            p[:, 0] = 0.0
+    weights = [torch.randn(num_tokens, HIDDEN, generator=gen) for _ in range(world_size)]
+    buf = TorchHybridEPBuffer(dist.group.WORLD, HIDDEN, num_tokens, num_local)
+    x, m, p = hidden[rank], maps[rank], probs[rank]
+
+    # All collectives first, identical on every rank.
+    blocking = _forward_backward(buf, x, m, p, rank, weights, num_local, None, pad_multiple)
+    exact_rows = blocking["rows"].shape[0]
+    roomy = _round_up(exact_rows + 5, pad_multiple)
+    with forbid_host_sync():
+        roomy_run = _forward_backward(buf, x, m, p, rank, weights, num_local, roomy, pad_multiple)
+    tight = _round_down(exact_rows // 2, pad_multiple)
+    tight_run = _forward_backward(buf, x, m, p, rank, weights, num_local, tight, pad_multiple)
+    # What combine must give for the truncated rows: the blocking combine with the tail zeroed.
+    tail_zeroed = blocking["rows"] * blocking["row_probs"].unsqueeze(1).to(dtype)
+    tail_zeroed[tight:] = 0
+    expected_truncated, _ = buf.combine_with_unpermute(hidden=tail_zeroed, handle=blocking["handle"])
+    ref_dispatch, ref_out, ref_grad_x, ref_grad_p = _reference_forward_backward(
+        hidden, maps, probs, weights, world_size, pad_multiple
+    )
+    ref_rows, ref_row_probs, ref_counts = ref_dispatch[rank]
+    tol = TOLERANCE[dtype]
+
+    def dispatch_matches_reference():
+        assert torch.equal(blocking["rows"], ref_rows.to(dtype)), "dispatched rows differ from the reference"
+        assert torch.equal(blocking["row_probs"], ref_row_probs.float()), "dispatched probs differ"
+        assert torch.equal(blocking["counts"], ref_counts), f"{blocking['counts']} != {ref_counts}"
+        assert int(blocking["flag"]) == 0, "blocking dispatch set the overflow flag"
+
+    def combine_matches_reference():
+        torch.testing.assert_close(blocking["out"].double(), ref_out[rank], **tol)
+
+    def gradients_match_reference():
+        torch.testing.assert_close(blocking["grad_x"].double(), ref_grad_x[rank], **tol)
+        torch.testing.assert_close(blocking["grad_p"].double(), ref_grad_p[rank], **tol)
+
+    def nonblocking_with_room_is_bitwise_blocking():
+        rows = roomy_run["rows"]
+        assert rows.shape[0] == roomy, f"{rows.shape[0]} rows, capacity {roomy}"
+        assert torch.equal(rows[:exact_rows], blocking["rows"]), "rows differ from blocking"
+        assert not rows[exact_rows:].any(), "rows past the padded total are not zero"
+        assert torch.equal(roomy_run["row_probs"][:exact_rows], blocking["row_probs"])
+        assert not roomy_run["row_probs"][exact_rows:].any()
+        assert torch.equal(roomy_run["counts"], blocking["counts"])
+        assert int(roomy_run["flag"]) == 0, "overflow flag set with enough capacity"
+        for key in ("out", "grad_x", "grad_p"):
+            assert torch.equal(roomy_run[key], blocking[key]), f"{key} differs from blocking"
+
+    def too_little_capacity_flags_and_drops_the_tail():
+        assert int(tight_run["flag"]) == int(exact_rows > tight), f"flag {int(tight_run['flag'])}, {exact_rows} > {tight}"
+        assert torch.equal(tight_run["rows"], blocking["rows"][:tight]), "kept rows are not the blocking head"
+        assert torch.equal(tight_run["row_probs"], blocking["row_probs"][:tight])
+        ends = torch.cumsum(blocking["counts"], 0)
+        expected_counts = ends.clamp(max=tight) - (ends - blocking["counts"]).clamp(max=tight)
+        assert torch.equal(tight_run["counts"], expected_counts), f"{tight_run['counts']} != {expected_counts}"
+        assert torch.equal(tight_run["out"], expected_truncated), "combine of truncated rows is not the blocking head's"
+
+    for name, fn in (
+        ("dispatch_matches_reference", dispatch_matches_reference),
+        ("combine_matches_reference", combine_matches_reference),
+        ("gradients_match_reference", gradients_match_reference),
+        ("nonblocking_with_room_is_bitwise_blocking", nonblocking_with_room_is_bitwise_blocking),
+        ("too_little_capacity_flags_and_drops_the_tail", too_little_capacity_flags_and_drops_the_tail),
+    ):
+        checks.run(name, fn)
+
+
+def _guard_catches_blocking(checks, rank, world_size):
+    """The guard is not vacuous: the blocking dispatch's host read trips it on every rank."""
+    from megatron_ext.hybridep import TorchHybridEPBuffer
+    from megatron_ext.sync import HostSyncError, forbid_host_sync
+
+    buf = TorchHybridEPBuffer(dist.group.WORLD, HIDDEN, 8, 2)
+    gen = torch.Generator().manual_seed(7)
+    hidden, maps, probs = reference.random_routing(gen, world_size, 8, 2 * world_size, 1, HIDDEN, torch.float32)
+    raised = None
+    try:
+        with forbid_host_sync():
+            buf.dispatch_with_permute(hidden=hidden[rank], routing_map=maps[rank], probs=probs[rank])
+    except HostSyncError as exc:
+        raised = exc
+
+    def guard_trips_on_blocking_dispatch():
+        assert raised is not None, "blocking dispatch ran under forbid_host_sync without raising"
+
+    checks.run("guard_trips_on_blocking_dispatch", guard_trips_on_blocking_dispatch)
+
+
+def _reuse(checks, rank, world_size):
+    from megatron_ext.hybridep import TorchHybridEPBuffer, release_shared_routing_map_buffers
+
+    release_shared_routing_map_buffers()
+    num_experts = 4 * world_size
+    gen = torch.Generator().manual_seed(11)
+    reused = TorchHybridEPBuffer(dist.group.WORLD, HIDDEN, 32, 4, reuse_allgather_buffer=True)
+    second = TorchHybridEPBuffer(dist.group.WORLD, HIDDEN, 32, 4, enable_custom_allgather=True)
+    fresh = TorchHybridEPBuffer(dist.group.WORLD, HIDDEN, 32, 4)
+    pointers, outputs = [], []
+    for num_tokens in (16, 16, 16, 32, 8):
+        hidden, maps, probs = reference.random_routing(gen, world_size, num_tokens, num_experts, 2, HIDDEN, torch.float32)
+        results = []
+        for buf in (reused, fresh):
+            rows, row_probs, _, counts, _ = buf.dispatch_with_permute(
+                hidden=hidden[rank], routing_map=maps[rank], probs=probs[rank], num_permuted_tokens=4 * num_tokens * 2,
+                non_blocking=True,
+            )
+            results.append((rows, row_probs, counts))
+        pointers.append(reused.routing_map_gather.stats.last_data_ptr)
+        outputs.append(results)
+    second.dispatch_with_permute(hidden=hidden[rank], routing_map=maps[rank], probs=probs[rank])
+    map_bytes = world_size * num_experts * 16
+
+    def reuse_writes_the_same_storage():
+        assert len(set(pointers[:3])) == 1, f"repeated same-shape gathers moved: {pointers[:3]}"
+        assert pointers[4] == pointers[3], "a smaller gather after growth did not reuse the grown buffer"
+        stats = reused.routing_map_gather.stats
+        assert (stats.gathers, stats.allocations) == (5, 2), f"{stats}: expected 5 gathers, 1 allocation + 1 growth"
+        assert stats.bytes_allocated == map_bytes + 2 * map_bytes, stats
+        assert second.routing_map_gather.stats.allocations == 0, "a second buffer on the group did not share storage"
+        assert second.routing_map_gather.stats.last_data_ptr == pointers[-1]
+
+    def no_reuse_allocates_every_dispatch():
+        stats = fresh.routing_map_gather.stats
+        assert (stats.gathers, stats.allocations) == (5, 5), stats
+        assert stats.bytes_allocated == map_bytes * (3 + 2 + 0.5), stats
+
+    def reuse_does_not_change_results():
+        for (a, b) in outputs:
+            for x, y in zip(a, b):
+                assert torch.equal(x, y)
+
+    for name, fn in (
+        ("reuse_writes_the_same_storage", reuse_writes_the_same_storage),
+        ("no_reuse_allocates_every_dispatch", no_reuse_allocates_every_dispatch),
+        ("reuse_does_not_change_results", reuse_does_not_change_results),
+    ):
+        checks.run(name, fn)
+
+
+def _worker(rank, world_size, out_dir):
+    checks = _Checks()
+    for index, case in enumerate(CASES):
+        _case(checks, rank, world_size, index, case)
+    _guard_catches_blocking(checks, rank, world_size)
+    _reuse(checks, rank, world_size)
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(checks.results, f)
+
+
+@pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda w: f"world{w}")
+def results(request, tmp_path_factory):
+    world_size = request.param
+    out_dir = tmp_path_factory.mktemp(f"world{world_size}")
+    run_ranks(world_size, _worker, str(out_dir))
+    merged = {}
+    for rank in range(world_size):
+        with open(out_dir / f"rank{rank}.json") as f:
+            for name, outcome in json.load(f).items():
+                if outcome != "ok" or name not in merged:
+                    merged[name] = outcome if outcome == "ok" else f"rank {rank}:\n{outcome}"
+    return merged
+
+
+def _assert_ok(results, name):
+    assert name in results, f"check {name} never ran"
+    assert results[name] == "ok", results[name]
+
+
+@pytest.mark.parametrize(
+    "check",
+    [
+        "dispatch_matches_reference",
+        "combine_matches_reference",
+        "gradients_match_reference",
+        "nonblocking_with_room_is_bitwise_blocking",
+        "too_little_capacity_flags_and_drops_the_tail",
+        "guard_trips_on_blocking_dispatch",
+        "reuse_writes_the_same_storage",
+        "no_reuse_allocates_every_dispatch",
+        "reuse_does_not_change_results",
+    ],
+)
+def test_buffer(results, check):
+    _assert_ok(results, check)
+
+
+def test_cases_cover_the_issue():
+    """Top-k 1 to 8, pad_multiple None/4/16, bf16 and fp32, an expert receiving nothing."""
+    assert {c[2] for c in CASES} >= {1, 8}
+    assert {c[3] for c in CASES} == {None, 4, 16}
+    assert {c[4] for c in CASES} == {torch.float32, torch.bfloat16}
+    assert any(c[5] for c in CASES)
+    assert all(c[1] % math.lcm(*WORLD_SIZES) == 0 for c in CASES)
