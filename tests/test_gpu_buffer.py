@@ -1,0 +1,80 @@
+"""The PyTorch HybridEP buffer on a CUDA GPU with NCCL (one rank): same results as the CPU
+reference, non-blocking bitwise equal to blocking, and the run-ahead probe's verdicts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests import reference
+from tests.test_torch_buffer import CASES, HIDDEN, TOLERANCE, _forward_backward, _reference_forward_backward
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def group(tmp_path_factory):
+    torch.cuda.set_device(0)
+    init = tmp_path_factory.mktemp("nccl") / "init"
+    dist.init_process_group("nccl", init_method=f"file://{init}", rank=0, world_size=1)
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("index", range(len(CASES)))
+def test_matches_reference_and_nonblocking_is_bitwise_blocking(group, index):
+    from megatron_ext.hybridep import TorchHybridEPBuffer
+    from megatron_ext.sync import forbid_host_sync
+
+    num_tokens, num_experts, topk, pad_multiple, dtype, _ = CASES[index]
+    gen = torch.Generator().manual_seed(500 + index)
+    hidden, maps, probs = reference.random_routing(gen, 1, num_tokens, num_experts, topk, HIDDEN, dtype)
+    weights = [torch.randn(num_tokens, HIDDEN, generator=gen)]
+    buf = TorchHybridEPBuffer(group, HIDDEN, num_tokens, num_experts, reuse_allgather_buffer=True)
+    x, m, p = hidden[0].cuda(), maps[0].cuda(), probs[0].cuda()
+    cuda_weights = [w.cuda() for w in weights]
+    blocking = _forward_backward(buf, x, m, p, 0, cuda_weights, num_experts, None, pad_multiple)
+    capacity = -(-(blocking["rows"].shape[0] + 8) // (pad_multiple or 1)) * (pad_multiple or 1)
+    with forbid_host_sync():
+        roomy = _forward_backward(buf, x, m, p, 0, cuda_weights, num_experts, capacity, pad_multiple)
+    torch.cuda.synchronize()
+    _, ref_out, ref_grad_x, ref_grad_p = _reference_forward_backward(hidden, maps, probs, weights, 1, pad_multiple)
+    ref_rows = reference.dispatch(hidden, maps, probs, 1, pad_multiple)[0][0]
+    assert torch.equal(blocking["rows"].cpu(), ref_rows.to(dtype))
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(blocking["out"].double().cpu(), ref_out[0], **tol)
+    torch.testing.assert_close(blocking["grad_x"].double().cpu(), ref_grad_x[0], **tol)
+    torch.testing.assert_close(blocking["grad_p"].double().cpu(), ref_grad_p[0], **tol)
+    exact = blocking["rows"].shape[0]
+    assert torch.equal(roomy["rows"][:exact], blocking["rows"]) and not roomy["rows"][exact:].any()
+    for key in ("out", "grad_x", "grad_p", "counts"):
+        assert torch.equal(roomy[key], blocking[key]), key
+    assert int(roomy["flag"]) == 0
+
+
+def _step(buf, x, m, p, capacity):
+    from megatron_ext.hybridep import combine, dispatch
+
+    xg, pg = x.detach().requires_grad_(), p.detach().requires_grad_()
+    rows, row_probs, _, handle = dispatch(buf, xg, m, pg, num_local_experts=m.shape[1], num_permuted_tokens=capacity)
+    out = combine(buf, rows * row_probs.unsqueeze(1).to(rows.dtype), handle, num_permuted_tokens=capacity)
+    out.float().sum().backward()
+
+
+def test_nonblocking_step_runs_ahead_and_blocking_waits(group):
+    from megatron_ext.hybridep import TorchHybridEPBuffer
+    from megatron_ext.sync import runahead_probe
+
+    T, H, E, K = 8192, 2048, 64, 8
+    torch.manual_seed(0)
+    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+    m = torch.zeros(T, E, dtype=torch.bool, device="cuda").scatter_(1, torch.rand(T, E, device="cuda").topk(K, 1).indices, True)
+    p = torch.rand(T, E, device="cuda") * m
+    buf = TorchHybridEPBuffer(group, H, T, E, reuse_allgather_buffer=True)
+    capacity = -(-int(m.sum()) * 3 // 2 // 4) * 4
+    non_blocking = runahead_probe(lambda: _step(buf, x, m, p, capacity))
+    blocking = runahead_probe(lambda: _step(buf, x, m, p, None))
+    print(f"\nnon-blocking step: {non_blocking}\nblocking step: {blocking}")
+    assert not non_blocking.waited, f"non-blocking step waited for the GPU: {non_blocking}"
+    assert blocking.waited, f"the probe did not see the blocking dispatch's host read: {blocking}"
