@@ -87,16 +87,23 @@ def _run(rank: int, world_size: int, args) -> tuple[list[str], list[str]]:
     capacity = _round_up(math.ceil(int(local_max.item()) * args.capacity_factor), pm or 4)
 
     def non_blocking():
-        return buf.dispatch_with_permute(hidden=x, routing_map=routing, probs=probs, pad_multiple=pm,
-                                         num_permuted_tokens=capacity, non_blocking=True)
+        return buf.dispatch_with_permute(
+            hidden=x, routing_map=routing, probs=probs, pad_multiple=pm, num_permuted_tokens=capacity, non_blocking=True
+        )
 
     with forbid_host_sync():
         nb_rows, nb_probs, _, nb_counts, nb_handle = non_blocking()
         nb_combined, _ = buf.combine_with_unpermute(hidden=nb_rows, handle=nb_handle)
     nb_traffic = buf.last_dispatch_traffic
     tight_capacity = exact // 2 // (pm or 1) * (pm or 1)
-    tight = buf.dispatch_with_permute(hidden=x, routing_map=routing, probs=probs, pad_multiple=pm,
-                                      num_permuted_tokens=tight_capacity, non_blocking=True)
+    tight = buf.dispatch_with_permute(
+        hidden=x,
+        routing_map=routing,
+        probs=probs,
+        pad_multiple=pm,
+        num_permuted_tokens=tight_capacity,
+        non_blocking=True,
+    )
     expected = (x.double() * routing.sum(1, keepdim=True)).to(dtype)
 
     failures = []
@@ -138,8 +145,13 @@ def _report(rank, world_size, result) -> bool:
 def _entry(rank, world_size, init_file, args, status_file):
     if args.backend == "nccl":
         torch.cuda.set_device(rank % torch.cuda.device_count())
-    dist.init_process_group(args.backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=120))
+    dist.init_process_group(
+        args.backend,
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=120),
+    )
     try:
         ok = _report(rank, world_size, _run(rank, world_size, args))
         if rank == 0:
@@ -169,8 +181,11 @@ def main(argv=None) -> int:
     import torch.multiprocessing as mp
 
     world_size = args.world_size
-    print(f"round trip on {world_size} {args.backend} ranks: T={args.tokens} H={args.hidden} E={args.experts} "
-          f"top-{args.topk} {args.dtype}, capacity factor {args.capacity_factor}", flush=True)
+    print(
+        f"round trip on {world_size} {args.backend} ranks: T={args.tokens} H={args.hidden} E={args.experts} "
+        f"top-{args.topk} {args.dtype}, capacity factor {args.capacity_factor}",
+        flush=True,
+    )
     with tempfile.TemporaryDirectory() as tmp:
         status = os.path.join(tmp, "status")
         mp.spawn(_entry, args=(world_size, os.path.join(tmp, "init"), args, status), nprocs=world_size)

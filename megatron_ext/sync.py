@@ -21,8 +21,8 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -65,7 +65,7 @@ class SyncLog:
 
 
 _state = threading.local()  # .inside: a trapped Python method is running (don't count twice)
-_active: list["_Guard"] = []
+_active: list[_Guard] = []
 _originals: dict[tuple[object, str], Callable] = {}
 
 
@@ -188,8 +188,9 @@ class RunAhead:
         )
 
 
-def runahead_probe(step: Callable[[], object], sleep_ms: float = 300.0, warmup: int = 2,
-                   clock_ghz: float = 1.98) -> RunAhead:
+def runahead_probe(
+    step: Callable[[], object], sleep_ms: float = 300.0, warmup: int = 2, clock_ghz: float = 1.98
+) -> RunAhead:
     """Does `step()` make the host wait for the GPU? (CUDA only.)
 
     Runs `step` `warmup` times, times one call with the GPU idle, then queues a GPU sleep of about

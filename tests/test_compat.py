@@ -4,7 +4,6 @@ import subprocess
 import sys
 
 import pytest
-
 from megatron_ext.patches import (
     MovedSymbolError,
     UnsupportedMegatronError,

@@ -69,8 +69,16 @@ def _dispatch_case(name):
         "probs dtype": (dict(probs=p.bfloat16()), "probs", "float32"),
         "probs shape": (dict(probs=p[:, :2]), "probs", "[6, 4]"),
         "non-blocking without capacity": (dict(non_blocking=True), "num_permuted_tokens", "non_blocking=True"),
-        "capacity not multiple": (dict(num_permuted_tokens=10, pad_multiple=4, non_blocking=True), "num_permuted_tokens", "multiple of pad_multiple (4)"),
-        "capacity tensor": (dict(num_permuted_tokens=torch.tensor(8), non_blocking=True), "num_permuted_tokens", "host int"),
+        "capacity not multiple": (
+            dict(num_permuted_tokens=10, pad_multiple=4, non_blocking=True),
+            "num_permuted_tokens",
+            "multiple of pad_multiple (4)",
+        ),
+        "capacity tensor": (
+            dict(num_permuted_tokens=torch.tensor(8), non_blocking=True),
+            "num_permuted_tokens",
+            "host int",
+        ),
         "capacity negative": (dict(num_permuted_tokens=-4, non_blocking=True), "num_permuted_tokens", "non-negative"),
         "pad zero": (dict(pad_multiple=0), "pad_multiple", "positive int"),
         "local experts": (dict(num_of_experts_per_rank=2), "num_of_experts_per_rank", "4"),
@@ -86,9 +94,22 @@ def _dispatch_case(name):
 @pytest.mark.parametrize(
     "name",
     [
-        "hidden dtype", "hidden rank", "map dtype", "map rows", "probs dtype", "probs shape",
-        "non-blocking without capacity", "capacity not multiple", "capacity tensor", "capacity negative",
-        "pad zero", "local experts", "fp8", "scaling", "no routing", "num_of_experts",
+        "hidden dtype",
+        "hidden rank",
+        "map dtype",
+        "map rows",
+        "probs dtype",
+        "probs shape",
+        "non-blocking without capacity",
+        "capacity not multiple",
+        "capacity tensor",
+        "capacity negative",
+        "pad zero",
+        "local experts",
+        "fp8",
+        "scaling",
+        "no routing",
+        "num_of_experts",
     ],
 )
 def test_dispatch_rejects(group, name):
@@ -100,7 +121,9 @@ def test_dispatch_rejects(group, name):
 def test_experts_not_divisible_by_ranks():
     buf = TorchHybridEPBuffer(_TwoRanks(), 8, 6, 2)
     x, m, p = _inputs(experts=5)
-    _raises("routing_map", "divisible by the number of ranks", buf.dispatch_with_permute, hidden=x, routing_map=m, probs=p)
+    _raises(
+        "routing_map", "divisible by the number of ranks", buf.dispatch_with_permute, hidden=x, routing_map=m, probs=p
+    )
 
 
 def test_combine_rejects(group):
@@ -110,8 +133,12 @@ def test_combine_rejects(group):
     _raises("hidden", f"[{rows.shape[0]}, H]", buf.combine_with_unpermute, hidden=rows[:-1], handle=handle)
     _raises("handle", "handle returned by this buffer", buf.combine_with_unpermute, hidden=rows, handle=tuple(handle))
     _raises("probs", "float32", buf.combine_with_unpermute, hidden=rows, probs=row_probs.double(), handle=handle)
-    _raises("pad_multiple", "4 (the dispatch's)", buf.combine_with_unpermute, hidden=rows, handle=handle, pad_multiple=16)
-    _raises("num_permuted_tokens", "the handle's", buf.dispatch_with_permute, hidden=x, handle=handle, num_permuted_tokens=3)
+    _raises(
+        "pad_multiple", "4 (the dispatch's)", buf.combine_with_unpermute, hidden=rows, handle=handle, pad_multiple=16
+    )
+    _raises(
+        "num_permuted_tokens", "the handle's", buf.dispatch_with_permute, hidden=x, handle=handle, num_permuted_tokens=3
+    )
     _raises("hidden", "[6, H] to match the handle", buf.dispatch_with_permute, hidden=x[:-1], handle=handle)
 
 

@@ -69,7 +69,9 @@ def test_nonblocking_step_runs_ahead_and_blocking_waits(group):
     T, H, E, K = 8192, 2048, 64, 8
     torch.manual_seed(0)
     x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
-    m = torch.zeros(T, E, dtype=torch.bool, device="cuda").scatter_(1, torch.rand(T, E, device="cuda").topk(K, 1).indices, True)
+    m = torch.zeros(T, E, dtype=torch.bool, device="cuda").scatter_(
+        1, torch.rand(T, E, device="cuda").topk(K, 1).indices, True
+    )
     p = torch.rand(T, E, device="cuda") * m
     buf = TorchHybridEPBuffer(group, H, T, E, reuse_allgather_buffer=True)
     capacity = -(-int(m.sum()) * 3 // 2 // 4) * 4

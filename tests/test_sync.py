@@ -46,7 +46,11 @@ def test_count_mode_counts_each_read_once():
         X.sum().item()
         X.tolist()
         X.nonzero()
-    assert [e.what for e in log.events] == ["Tensor.item()", "Tensor.tolist()", "torch.nonzero() (output size depends on values)"]
+    assert [e.what for e in log.events] == [
+        "Tensor.item()",
+        "Tensor.tolist()",
+        "torch.nonzero() (output size depends on values)",
+    ]
 
 
 def test_guard_restores_tensor_methods():

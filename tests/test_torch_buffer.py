@@ -67,8 +67,16 @@ def _forward_backward(buf, x, m, p, rank, weights, num_local, capacity, pad_mult
     weighted = rows * row_probs.unsqueeze(1).to(rows.dtype)
     out = combine(buf, weighted, handle, num_permuted_tokens=capacity, pad_multiple=pad_multiple)
     (out.float() * weights[rank]).sum().backward()
-    return dict(rows=rows.detach(), row_probs=row_probs.detach(), counts=counts, flag=handle[10],
-                out=out.detach(), grad_x=x.grad, grad_p=p.grad, handle=handle)
+    return dict(
+        rows=rows.detach(),
+        row_probs=row_probs.detach(),
+        counts=counts,
+        flag=handle[10],
+        out=out.detach(),
+        grad_x=x.grad,
+        grad_p=p.grad,
+        handle=handle,
+    )
 
 
 def _reference_forward_backward(hidden, maps, probs, weights, world_size, pad_multiple):
@@ -141,7 +149,9 @@ def _case(checks, rank, world_size, index, case):
             assert torch.equal(roomy_run[key], blocking[key]), f"{key} differs from blocking"
 
     def too_little_capacity_flags_and_drops_the_tail():
-        assert int(tight_run["flag"]) == int(exact_rows > tight), f"flag {int(tight_run['flag'])}, {exact_rows} > {tight}"
+        assert int(tight_run["flag"]) == int(exact_rows > tight), (
+            f"flag {int(tight_run['flag'])}, {exact_rows} > {tight}"
+        )
         assert torch.equal(tight_run["rows"], blocking["rows"][:tight]), "kept rows are not the blocking head"
         assert torch.equal(tight_run["row_probs"], blocking["row_probs"][:tight])
         ends = torch.cumsum(blocking["counts"], 0)
@@ -191,11 +201,16 @@ def _reuse(checks, rank, world_size):
     fresh = TorchHybridEPBuffer(dist.group.WORLD, HIDDEN, 32, 4)
     pointers, outputs = [], []
     for num_tokens in (16, 16, 16, 32, 8):
-        hidden, maps, probs = reference.random_routing(gen, world_size, num_tokens, num_experts, 2, HIDDEN, torch.float32)
+        hidden, maps, probs = reference.random_routing(
+            gen, world_size, num_tokens, num_experts, 2, HIDDEN, torch.float32
+        )
         results = []
         for buf in (reused, fresh):
             rows, row_probs, _, counts, _ = buf.dispatch_with_permute(
-                hidden=hidden[rank], routing_map=maps[rank], probs=probs[rank], num_permuted_tokens=4 * num_tokens * 2,
+                hidden=hidden[rank],
+                routing_map=maps[rank],
+                probs=probs[rank],
+                num_permuted_tokens=4 * num_tokens * 2,
                 non_blocking=True,
             )
             results.append((rows, row_probs, counts))
@@ -219,7 +234,7 @@ def _reuse(checks, rank, world_size):
         assert stats.bytes_allocated == map_bytes * (3 + 2 + 0.5), stats
 
     def reuse_does_not_change_results():
-        for (a, b) in outputs:
+        for a, b in outputs:
             for x, y in zip(a, b):
                 assert torch.equal(x, y)
 

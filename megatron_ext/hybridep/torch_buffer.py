@@ -22,8 +22,9 @@ How tokens move (W ranks, T tokens per rank, rank r owns experts [r * L, (r + 1)
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple, Optional, Sequence
+from typing import NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -41,7 +42,7 @@ class HybridEPHandle(NamedTuple):
     """
 
     row_slot: torch.Tensor  # [P] int64: receive slot of each output row (num_slots = zero row)
-    row_expert: torch.Tensor  # [P] int64: local expert of each output row
+    row_prob_index: torch.Tensor  # [P] int64: each row's place in the flat [num_slots + 1, L] probs
     num_slots: int  # receive slots: exact received tokens (blocking) or W * T (non-blocking)
     send_token: Optional[torch.Tensor]  # blocking: [S] int64 token of each sent row, by destination
     send_dest: Optional[torch.Tensor]  # blocking: [S] int64 destination rank of each sent row
@@ -199,7 +200,12 @@ class TorchHybridEPBuffer:
             map_bytes = (self.world_size - 1) * routing_map.numel()
         else:
             self._check_handle(handle, "handle")
-            _check(hidden.shape[0] == handle.num_tokens, "hidden", f"[{handle.num_tokens}, H] to match the handle", _describe(hidden))
+            _check(
+                hidden.shape[0] == handle.num_tokens,
+                "hidden",
+                f"[{handle.num_tokens}, H] to match the handle",
+                _describe(hidden),
+            )
             if isinstance(num_permuted_tokens, int):
                 _check(
                     num_permuted_tokens == handle.num_permuted_tokens,
@@ -234,7 +240,12 @@ class TorchHybridEPBuffer:
             routing_map = torch.zeros(num_tokens, num_of_experts, dtype=torch.bool, device=hidden.device)
             routing_map.scatter_(1, topk_idx.long(), True)
             if topk_weights is not None:
-                _check(topk_weights.shape == topk_idx.shape, "topk_weights", f"of shape {tuple(topk_idx.shape)}", _describe(topk_weights))
+                _check(
+                    topk_weights.shape == topk_idx.shape,
+                    "topk_weights",
+                    f"of shape {tuple(topk_idx.shape)}",
+                    _describe(topk_weights),
+                )
                 probs = torch.zeros(num_tokens, num_of_experts, dtype=torch.float32, device=hidden.device)
                 probs.scatter_(1, topk_idx.long(), topk_weights.float())
         num_experts = self.world_size * self.num_local_experts
@@ -258,13 +269,23 @@ class TorchHybridEPBuffer:
             _describe(routing_map),
         )
         if num_of_experts is not None:
-            _check(num_of_experts == num_experts, "num_of_experts", f"{num_experts} (routing_map's columns)", num_of_experts)
+            _check(
+                num_of_experts == num_experts,
+                "num_of_experts",
+                f"{num_experts} (routing_map's columns)",
+                num_of_experts,
+            )
         if probs is not None:
             self._check_probs(probs, num_tokens, num_experts)
         return routing_map, probs
 
     def _check_hidden(self, hidden, argument):
-        _check(isinstance(hidden, torch.Tensor) and hidden.dim() == 2, argument, "a 2-D tensor [T, H]", _describe(hidden) if isinstance(hidden, torch.Tensor) else type(hidden).__name__)
+        _check(
+            isinstance(hidden, torch.Tensor) and hidden.dim() == 2,
+            argument,
+            "a 2-D tensor [T, H]",
+            _describe(hidden) if isinstance(hidden, torch.Tensor) else type(hidden).__name__,
+        )
         _check(hidden.dtype in SUPPORTED_HIDDEN_DTYPES, argument, "bfloat16, float16 or float32", hidden.dtype)
 
     def _check_probs(self, probs, num_tokens, num_experts):
@@ -277,7 +298,12 @@ class TorchHybridEPBuffer:
 
     @staticmethod
     def _check_handle(handle, argument):
-        _check(isinstance(handle, HybridEPHandle), argument, "a handle returned by this buffer's dispatch", type(handle).__name__)
+        _check(
+            isinstance(handle, HybridEPHandle),
+            argument,
+            "a handle returned by this buffer's dispatch",
+            type(handle).__name__,
+        )
 
     @staticmethod
     def _check_capacity(num_permuted_tokens, pad_multiple, non_blocking) -> Optional[int]:
@@ -291,7 +317,9 @@ class TorchHybridEPBuffer:
             _check(not non_blocking, "num_permuted_tokens", "a host int when non_blocking=True (the output size)", None)
             return None
         _check(
-            isinstance(num_permuted_tokens, int) and not isinstance(num_permuted_tokens, bool) and num_permuted_tokens >= 0,
+            isinstance(num_permuted_tokens, int)
+            and not isinstance(num_permuted_tokens, bool)
+            and num_permuted_tokens >= 0,
             "num_permuted_tokens",
             "None or a non-negative host int (a tensor would need a host read)",
             type(num_permuted_tokens).__name__ if not isinstance(num_permuted_tokens, int) else num_permuted_tokens,
@@ -313,33 +341,59 @@ class TorchHybridEPBuffer:
         local_map = global_map[:, self.rank * L : (self.rank + 1) * L]
 
         if non_blocking:
-            layout = expert_layout(local_map, None, W * num_tokens, capacity, pad_multiple)
+            # Receive slot g holds token g, so a row's code g * L + e indexes the probs directly.
+            layout = expert_layout(local_map, capacity, pad_multiple)
             return HybridEPHandle(
-                layout.row_slot, layout.row_expert, W * num_tokens, None, None, None, None,
-                num_tokens, capacity, True, layout.overflow, layout.tokens_per_expert, pad_multiple,
+                layout.row_code.div(L, rounding_mode="floor"),
+                layout.row_code,
+                W * num_tokens,
+                None,
+                None,
+                None,
+                None,
+                num_tokens,
+                capacity,
+                True,
+                layout.overflow,
+                layout.tokens_per_expert,
+                pad_multiple,
             )
 
         # Blocking: the exact layout; one host read of the counts that size the all-to-all.
         received = local_map.any(dim=1)  # [W * T]: token g has at least one expert here
-        slot_of_token = torch.cumsum(received, dim=0) - 1
         dest_mask = routing_map.view(num_tokens, W, L).any(dim=2)  # [T, W]
         send_counts = dest_mask.sum(dim=0)
         recv_counts = received.view(W, num_tokens).sum(dim=1)
-        total = padded_counts(local_map, pad_multiple).sum().reshape(1)
-        host = torch.cat([send_counts, recv_counts, total]).tolist()  # the one host read
+        counts = padded_counts(local_map, pad_multiple)
+        host = torch.cat([send_counts, recv_counts, counts.sum().reshape(1)]).tolist()  # the one host read
         send_splits, recv_splits, padded_total = tuple(host[:W]), tuple(host[W : 2 * W]), host[2 * W]
         # A capacity with non_blocking=False sizes the output as in non-blocking mode (deep_ep
         # would write out of bounds when it is too small): truncated and flagged, never raised
         # here, because a raise on one rank would leave the others waiting in the all-to-all.
         num_rows = padded_total if capacity is None else capacity
         num_slots = sum(recv_splits)
-        layout = expert_layout(local_map, slot_of_token, num_slots, num_rows, pad_multiple)
+        layout = expert_layout(local_map, num_rows, pad_multiple, counts)
+        # Received tokens sit in ascending g; token N (padding rows) maps to the zero slot.
+        slot_of_token = torch.nn.functional.pad(torch.cumsum(received, dim=0) - 1, (0, 1), value=num_slots)
+        row_slot = slot_of_token[layout.row_code.div(L, rounding_mode="floor")]
+        row_prob_index = row_slot * L + layout.row_code.remainder(L)
         # Sent rows grouped by destination rank, ascending token index within each.
         pairs = torch.nonzero_static(dest_mask.t(), size=sum(send_splits))
         send_dest, send_token = pairs[:, 0], pairs[:, 1]
         return HybridEPHandle(
-            layout.row_slot, layout.row_expert, num_slots, send_token, send_dest, send_splits, recv_splits,
-            num_tokens, num_rows, False, layout.overflow, layout.tokens_per_expert, pad_multiple,
+            row_slot,
+            row_prob_index,
+            num_slots,
+            send_token,
+            send_dest,
+            send_splits,
+            recv_splits,
+            num_tokens,
+            num_rows,
+            False,
+            layout.overflow,
+            layout.tokens_per_expert,
+            pad_multiple,
         )
 
     def _move_rows(self, hidden, probs, handle: HybridEPHandle):
@@ -352,7 +406,9 @@ class TorchHybridEPBuffer:
             hidden_bytes = (W - 1) * T * width * elt
         else:
             received = _with_zero_row(handle.num_slots, width, hidden.dtype, hidden.device)
-            self._all_to_all(received[: handle.num_slots], hidden[handle.send_token], handle.recv_splits, handle.send_splits)
+            self._all_to_all(
+                received[: handle.num_slots], hidden[handle.send_token], handle.recv_splits, handle.send_splits
+            )
             hidden_bytes = self._sent_elsewhere(handle.send_splits) * width * elt
         rows = received[handle.row_slot]
 
@@ -367,7 +423,7 @@ class TorchHybridEPBuffer:
                 sent = per_rank[handle.send_token, handle.send_dest]
                 self._all_to_all(table[: handle.num_slots], sent, handle.recv_splits, handle.send_splits)
                 probs_bytes = self._sent_elsewhere(handle.send_splits) * L * 4
-            row_probs = table[handle.row_slot, handle.row_expert]
+            row_probs = table.view(-1)[handle.row_prob_index]
 
         return rows, row_probs, hidden_bytes, probs_bytes
 
@@ -398,7 +454,12 @@ class TorchHybridEPBuffer:
         P, T, W, L = handle.num_permuted_tokens, handle.num_tokens, self.world_size, self.num_local_experts
         _check(hidden.shape[0] == P, "hidden", f"[{P}, H] (the dispatch's rows)", _describe(hidden))
         if pad_multiple is not None:
-            _check(pad_multiple == handle.pad_multiple, "pad_multiple", f"{handle.pad_multiple} (the dispatch's)", pad_multiple)
+            _check(
+                pad_multiple == handle.pad_multiple,
+                "pad_multiple",
+                f"{handle.pad_multiple} (the dispatch's)",
+                pad_multiple,
+            )
         width, elt = hidden.shape[1], hidden.element_size()
 
         # 1. On the expert's rank: one float32 partial per received token, experts in order.
@@ -422,9 +483,14 @@ class TorchHybridEPBuffer:
 
         token_probs, probs_bytes = None, 0
         if probs is not None:
-            _check(probs.dtype == torch.float32 and tuple(probs.shape) == (P,), "probs", f"a float32 tensor of shape [{P}]", _describe(probs))
+            _check(
+                probs.dtype == torch.float32 and tuple(probs.shape) == (P,),
+                "probs",
+                f"a float32 tensor of shape [{P}]",
+                _describe(probs),
+            )
             table = torch.zeros(handle.num_slots + 1, L, dtype=torch.float32, device=probs.device)
-            table.index_put_((handle.row_slot, handle.row_expert), probs)
+            table.view(-1).index_put_((handle.row_prob_index,), probs)
             table = table[: handle.num_slots]
             if handle.non_blocking:
                 back_probs = torch.empty(W * T, L, dtype=torch.float32, device=probs.device)
