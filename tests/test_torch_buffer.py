@@ -64,6 +64,7 @@ def _forward_backward(buf, x, m, p, rank, weights, num_local, capacity, pad_mult
     rows, row_probs, counts, handle = dispatch(
         buf, x, m, p, num_local_experts=num_local, num_permuted_tokens=capacity, pad_multiple=pad_multiple
     )
+    traffic = buf.last_dispatch_traffic
     weighted = rows * row_probs.unsqueeze(1).to(rows.dtype)
     out = combine(buf, weighted, handle, num_permuted_tokens=capacity, pad_multiple=pad_multiple)
     (out.float() * weights[rank]).sum().backward()
@@ -72,6 +73,7 @@ def _forward_backward(buf, x, m, p, rank, weights, num_local, capacity, pad_mult
         row_probs=row_probs.detach(),
         counts=counts,
         flag=handle[10],
+        traffic=traffic,
         out=out.detach(),
         grad_x=x.grad,
         grad_p=p.grad,
@@ -90,7 +92,7 @@ def _reference_forward_backward(hidden, maps, probs, weights, world_size, pad_mu
 
 
 def _case(checks, rank, world_size, index, case):
-    from megatron_ext.hybridep import TorchHybridEPBuffer
+    from megatron_ext.hybridep import TorchHybridEPBuffer, Traffic
     from megatron_ext.sync import forbid_host_sync
 
     num_tokens, num_experts, topk, pad_multiple, dtype, empty_expert = case
@@ -159,7 +161,20 @@ def _case(checks, rank, world_size, index, case):
         assert torch.equal(tight_run["counts"], expected_counts), f"{tight_run['counts']} != {expected_counts}"
         assert torch.equal(tight_run["out"], expected_truncated), "combine of truncated rows is not the blocking head's"
 
+    def bytes_sent_are_exact_blocking_and_allgather_nonblocking():
+        # Rows this rank sends to other ranks: one per (token, other rank owning one of its experts).
+        owners = m.view(num_tokens, world_size, num_local).any(dim=2)
+        to_others = int(owners.sum() - owners[:, rank].sum())
+        row_bytes, map_bytes = HIDDEN * x.element_size(), (world_size - 1) * num_tokens * num_experts
+        assert blocking["traffic"] == Traffic(map_bytes, to_others * row_bytes, to_others * num_local * 4)
+        others = (world_size - 1) * num_tokens
+        assert roomy_run["traffic"] == Traffic(map_bytes, others * row_bytes, others * num_local * 4)
+
     for name, fn in (
+        (
+            "bytes_sent_are_exact_blocking_and_allgather_nonblocking",
+            bytes_sent_are_exact_blocking_and_allgather_nonblocking,
+        ),
         ("dispatch_matches_reference", dispatch_matches_reference),
         ("combine_matches_reference", combine_matches_reference),
         ("gradients_match_reference", gradients_match_reference),
@@ -278,6 +293,7 @@ def _assert_ok(results, name):
 @pytest.mark.parametrize(
     "check",
     [
+        "bytes_sent_are_exact_blocking_and_allgather_nonblocking",
         "dispatch_matches_reference",
         "combine_matches_reference",
         "gradients_match_reference",
