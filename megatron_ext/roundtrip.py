@@ -75,35 +75,29 @@ def _run(rank: int, world_size: int, args) -> tuple[list[str], list[str]]:
     buf = TorchHybridEPBuffer(dist.group.WORLD, args.hidden, args.tokens, num_local, reuse_allgather_buffer=True)
     pm = args.pad_multiple
 
-    def blocking():
-        return buf.dispatch_with_permute(hidden=x, routing_map=routing, probs=probs, pad_multiple=pm)
+    def dispatch(capacity=None):
+        return buf.dispatch_with_permute(
+            hidden=x,
+            routing_map=routing,
+            probs=probs,
+            pad_multiple=pm,
+            num_permuted_tokens=capacity,
+            non_blocking=capacity is not None,
+        )
 
-    rows, row_probs, _, counts, handle = blocking()
+    rows, row_probs, _, counts, handle = dispatch()
     blocking_traffic = buf.last_dispatch_traffic
     combined, _ = buf.combine_with_unpermute(hidden=rows, handle=handle)
     exact = rows.shape[0]
     local_max = torch.tensor([exact], device=device)
     dist.all_reduce(local_max, op=dist.ReduceOp.MAX)
-    capacity = _round_up(math.ceil(int(local_max.item()) * args.capacity_factor), pm or 4)
-
-    def non_blocking():
-        return buf.dispatch_with_permute(
-            hidden=x, routing_map=routing, probs=probs, pad_multiple=pm, num_permuted_tokens=capacity, non_blocking=True
-        )
-
+    capacity = _round_up(math.ceil(int(local_max.item()) * args.capacity_factor), math.lcm(4, pm or 1))
     with forbid_host_sync():
-        nb_rows, nb_probs, _, nb_counts, nb_handle = non_blocking()
+        nb_rows, nb_probs, _, nb_counts, nb_handle = dispatch(capacity)
         nb_combined, _ = buf.combine_with_unpermute(hidden=nb_rows, handle=nb_handle)
     nb_traffic = buf.last_dispatch_traffic
     tight_capacity = exact // 2 // (pm or 1) * (pm or 1)
-    tight = buf.dispatch_with_permute(
-        hidden=x,
-        routing_map=routing,
-        probs=probs,
-        pad_multiple=pm,
-        num_permuted_tokens=tight_capacity,
-        non_blocking=True,
-    )
+    tight = dispatch(tight_capacity)
     expected = (x.double() * routing.sum(1, keepdim=True)).to(dtype)
 
     failures = []
@@ -120,8 +114,8 @@ def _run(rank: int, world_size: int, args) -> tuple[list[str], list[str]]:
     check(torch.equal(nb_combined, combined), "non-blocking combine != blocking combine")
     check(int(nb_handle[10]) == 0, "overflow flag set with enough capacity")
     check(int(tight[4][10]) == int(exact > tight_capacity), "overflow flag wrong with too little capacity")
-    host_blocking = _host_ms(blocking, args.iters)
-    host_nb = _host_ms(non_blocking, args.iters)
+    host_blocking = _host_ms(dispatch, args.iters)
+    host_nb = _host_ms(lambda: dispatch(capacity), args.iters)
     lines = [
         f"rank {rank}: {exact} rows exact, capacity {capacity}; host ms per dispatch call: "
         f"blocking {host_blocking:.2f}, non-blocking {host_nb:.2f}",
@@ -181,6 +175,9 @@ def main(argv=None) -> int:
     import torch.multiprocessing as mp
 
     world_size = args.world_size
+    if args.experts % world_size:
+        print(f"--experts {args.experts} must be divisible by --world-size {world_size}", file=sys.stderr)
+        return 2
     print(
         f"round trip on {world_size} {args.backend} ranks: T={args.tokens} H={args.hidden} E={args.experts} "
         f"top-{args.topk} {args.dtype}, capacity factor {args.capacity_factor}",

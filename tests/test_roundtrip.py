@@ -1,0 +1,41 @@
+"""The main job (`python -m megatron_ext.roundtrip`) runs across spawned ranks and reports OK."""
+
+import subprocess
+import sys
+
+
+def _run(*args):
+    return subprocess.run(
+        [sys.executable, "-m", "megatron_ext.roundtrip", *args], capture_output=True, text=True, timeout=300
+    )
+
+
+def test_roundtrip_on_two_cpu_ranks():
+    result = _run(
+        "--world-size",
+        "2",
+        "--tokens",
+        "32",
+        "--hidden",
+        "16",
+        "--experts",
+        "4",
+        "--topk",
+        "2",
+        "--pad-multiple",
+        "4",
+        "--iters",
+        "1",
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "OK: combine(dispatch(x))" in result.stdout
+    assert result.stdout.count("bytes sent per dispatch") == 2  # one line per rank
+
+
+def test_bad_flags_are_refused_with_the_fix():
+    result = _run("--capacity-factor", "0.5")
+    assert result.returncode == 2 and "--capacity-factor 0.5 would drop tokens; use >= 1.0" in result.stderr
+    result = _run("--topk", "9", "--experts", "8")
+    assert result.returncode == 2 and "--topk 9 must be between 1 and --experts (8)" in result.stderr
+    result = _run("--experts", "6", "--world-size", "4")
+    assert result.returncode == 2 and "--experts 6 must be divisible by --world-size 4" in result.stderr
