@@ -344,19 +344,19 @@ class TorchHybridEPBuffer:
             # Receive slot g holds token g, so a row's code g * L + e indexes the probs directly.
             layout = expert_layout(local_map, capacity, pad_multiple)
             return HybridEPHandle(
-                layout.row_code.div(L, rounding_mode="floor"),
-                layout.row_code,
-                W * num_tokens,
-                None,
-                None,
-                None,
-                None,
-                num_tokens,
-                capacity,
-                True,
-                layout.overflow,
-                layout.tokens_per_expert,
-                pad_multiple,
+                row_slot=layout.row_code.div(L, rounding_mode="floor"),
+                row_prob_index=layout.row_code,
+                num_slots=W * num_tokens,
+                send_token=None,
+                send_dest=None,
+                send_splits=None,
+                recv_splits=None,
+                num_tokens=num_tokens,
+                num_permuted_tokens=capacity,
+                non_blocking=True,
+                overflow_flag=layout.overflow,
+                tokens_per_expert=layout.tokens_per_expert,
+                pad_multiple=pad_multiple,
             )
 
         # Blocking: the exact layout; one host read of the counts that size the all-to-all.
@@ -376,24 +376,23 @@ class TorchHybridEPBuffer:
         # Received tokens sit in ascending g; token N (padding rows) maps to the zero slot.
         slot_of_token = torch.nn.functional.pad(torch.cumsum(received, dim=0) - 1, (0, 1), value=num_slots)
         row_slot = slot_of_token[layout.row_code.div(L, rounding_mode="floor")]
-        row_prob_index = row_slot * L + layout.row_code.remainder(L)
         # Sent rows grouped by destination rank, ascending token index within each.
         pairs = torch.nonzero_static(dest_mask.t(), size=sum(send_splits))
         send_dest, send_token = pairs[:, 0], pairs[:, 1]
         return HybridEPHandle(
-            row_slot,
-            row_prob_index,
-            num_slots,
-            send_token,
-            send_dest,
-            send_splits,
-            recv_splits,
-            num_tokens,
-            num_rows,
-            False,
-            layout.overflow,
-            layout.tokens_per_expert,
-            pad_multiple,
+            row_slot=row_slot,
+            row_prob_index=row_slot * L + layout.row_code.remainder(L),
+            num_slots=num_slots,
+            send_token=send_token,
+            send_dest=send_dest,
+            send_splits=send_splits,
+            recv_splits=recv_splits,
+            num_tokens=num_tokens,
+            num_permuted_tokens=num_rows,
+            non_blocking=False,
+            overflow_flag=layout.overflow,
+            tokens_per_expert=layout.tokens_per_expert,
+            pad_multiple=pad_multiple,
         )
 
     def _move_rows(self, hidden, probs, handle: HybridEPHandle):
