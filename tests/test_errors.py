@@ -157,3 +157,21 @@ def test_edge_inputs_work(group):
     )
     assert counts.tolist() == [6, 0, 6, 0]
     assert torch.equal(rows, torch.cat([x, x])) and torch.equal(row_probs, torch.full((12,), 0.5))
+
+
+def test_autograd_without_probs_and_with_probs_alone(group):
+    """Gradients flow when dispatch has no probs, and when only the dispatched probs are used."""
+    from megatron_ext.hybridep import dispatch
+
+    buf = TorchHybridEPBuffer(group, 8, 6, 4)
+    x, m, p = _inputs()
+    x.requires_grad_()
+    rows, row_probs, _, _ = dispatch(buf, x, m, None, num_local_experts=4)
+    assert row_probs is None
+    rows.sum().backward()
+    # Each token's gradient is one per row it occupies: the number of its experts.
+    assert torch.equal(x.grad, m.sum(1, keepdim=True).float().expand_as(x))
+    p.requires_grad_()
+    _, row_probs, _, _ = dispatch(buf, x.detach(), m, p, num_local_experts=4, num_permuted_tokens=24)
+    (row_probs * 2).sum().backward()
+    assert torch.equal(p.grad, 2 * m.float())

@@ -25,11 +25,14 @@ class _Dispatch(torch.autograd.Function):
             non_blocking=num_permuted_tokens is not None,
         )
         ctx.buffer, ctx.handle, ctx.pad_multiple = buffer, handle, pad_multiple
+        ctx.rows_shape, ctx.rows_dtype = rows.shape, rows.dtype
         ctx.mark_non_differentiable(tokens_per_expert)
         return rows, row_probs, tokens_per_expert, handle
 
     @staticmethod
     def backward(ctx, grad_rows, grad_row_probs, _grad_counts, _grad_handle):
+        if grad_rows is None:  # only the probs reached the loss
+            grad_rows = torch.zeros(ctx.rows_shape, dtype=ctx.rows_dtype, device=grad_row_probs.device)
         grad_hidden, grad_probs = ctx.buffer.combine_with_unpermute(
             hidden=grad_rows.contiguous(),
             probs=None if grad_row_probs is None else grad_row_probs.contiguous(),
