@@ -1,8 +1,35 @@
 """Everything in megatron-ext that reaches into Megatron-Core, and nothing else.
 
-Installed as `megatron_ext.patches`. Importing it does not import Megatron-Core; the functions
-here do, when called.
+Installed as `megatron_ext.patches`. Importing it does not import Megatron-Core; `apply()` does.
+
+    import megatron_ext.patches
+    megatron_ext.patches.apply()        # or: import megatron_ext.patches.auto
+    ...
+    megatron_ext.patches.revert()       # or: with megatron_ext.patches.patched(): ...
+
+`apply()` checks the megatron-core version, resolves every target before changing any (so a
+moved symbol patches nothing), replaces each attribute below, and logs it by its dotted name.
+Applying twice is harmless; `revert()` puts every original back.
+
+Patched attributes, by feature:
+* dispatcher: `megatron.core.transformer.moe.moe_layer.MoEFlexTokenDispatcher` ->
+  `megatron_ext.dispatcher.HybridEPTokenDispatcher`.
+* experts: `megatron.core.transformer.moe.moe_layer.MoELayer.__init__` -> a wrapper that gives
+  capacity-mode layers experts which read token counts on the device.
+* arguments: `TransformerConfig` in `megatron.training.arguments` and `.argument_utils` ->
+  `megatron_ext.config.HybridEPTransformerConfig`; `megatron.core.transformer.MLATransformerConfig`
+  -> `HybridEPMLATransformerConfig`; `megatron.training.arguments.add_megatron_arguments` -> the
+  same, plus validation of megatron-ext's flags when the parser parses.
 """
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
 
 from megatron_ext.patches._compat import (
     SUPPORTED_MEGATRON_CORE,
@@ -13,11 +40,131 @@ from megatron_ext.patches._compat import (
     resolve,
 )
 
+logger = logging.getLogger("megatron_ext")
+
+
+def _dispatcher(original: Any) -> Any:
+    from megatron_ext.dispatcher import HybridEPTokenDispatcher
+
+    return HybridEPTokenDispatcher
+
+
+def _moe_layer_init(original: Callable) -> Callable:
+    from megatron_ext.patches._moe_layer import wrap_init
+
+    return wrap_init(original)
+
+
+def _transformer_config(original: Any) -> Any:
+    from megatron_ext.config import HybridEPTransformerConfig
+
+    return HybridEPTransformerConfig
+
+
+def _mla_transformer_config(original: Any) -> Any:
+    from megatron_ext.config import HybridEPMLATransformerConfig
+
+    return HybridEPMLATransformerConfig
+
+
+def _add_megatron_arguments(original: Callable) -> Callable:
+    from megatron_ext.arguments import install_validation
+
+    @functools.wraps(original)
+    def add_megatron_arguments(parser):
+        return install_validation(original(parser))
+
+    return add_megatron_arguments
+
+
+@dataclass(frozen=True)
+class _Patch:
+    target: str  # dotted name of the attribute replaced
+    replacement: Callable[[Any], Any]  # original -> what replaces it
+    feature: str
+
+
+PATCHES: tuple[_Patch, ...] = (
+    _Patch("megatron.core.transformer.moe.moe_layer.MoEFlexTokenDispatcher", _dispatcher, "dispatcher"),
+    _Patch("megatron.core.transformer.moe.moe_layer.MoELayer.__init__", _moe_layer_init, "experts"),
+    _Patch("megatron.training.arguments.TransformerConfig", _transformer_config, "arguments"),
+    _Patch("megatron.training.argument_utils.TransformerConfig", _transformer_config, "arguments"),
+    _Patch("megatron.core.transformer.MLATransformerConfig", _mla_transformer_config, "arguments"),
+    _Patch("megatron.training.arguments.add_megatron_arguments", _add_megatron_arguments, "arguments"),
+)
+FEATURES = ("dispatcher", "experts", "arguments")
+
+# target -> (owner, attribute, original), for what is applied now
+_applied: dict[str, tuple[Any, str, Any]] = {}
+
+
+def applied() -> tuple[str, ...]:
+    """The dotted names patched now."""
+    return tuple(_applied)
+
+
+def apply(*, dispatcher: bool = True, experts: bool = True, arguments: bool = True) -> list[str]:
+    """Patch Megatron-Core; return the dotted names this call patched (none when already applied).
+
+    Raises `UnsupportedMegatronError` for a megatron-core outside the supported range and
+    `MovedSymbolError` naming a target that is not where it should be; in both cases nothing
+    is patched.
+    """
+    check_megatron_version()
+    wanted = {"dispatcher": dispatcher, "experts": experts, "arguments": arguments}
+    todo = [p for p in PATCHES if wanted[p.feature] and p.target not in _applied]
+    owners = []
+    for patch in todo:
+        owner_name, attribute = patch.target.rsplit(".", 1)
+        owner = resolve(owner_name)
+        if attribute not in vars(owner):
+            raise MovedSymbolError(
+                f"megatron-ext needs `{patch.target}`, which megatron-core {megatron_core_version()} does not "
+                f"define there (supported: >= {'.'.join(map(str, SUPPORTED_MEGATRON_CORE[0]))}, "
+                f"< {'.'.join(map(str, SUPPORTED_MEGATRON_CORE[1]))})."
+            )
+        owners.append((owner, attribute))
+    done = []
+    for patch, (owner, attribute) in zip(todo, owners):
+        original = vars(owner)[attribute]
+        setattr(owner, attribute, patch.replacement(original))
+        _applied[patch.target] = (owner, attribute, original)
+        logger.info("megatron-ext: patched %s", patch.target)
+        done.append(patch.target)
+    return done
+
+
+def revert(targets: Any = None) -> list[str]:
+    """Restore the originals of `targets` (default: everything patched); return what was restored."""
+    names = [t for t in reversed(list(_applied)) if targets is None or t in targets]
+    for name in names:
+        owner, attribute, original = _applied.pop(name)
+        setattr(owner, attribute, original)
+        logger.info("megatron-ext: restored %s", name)
+    return names
+
+
+@contextlib.contextmanager
+def patched(**features: bool) -> Iterator[list[str]]:
+    """Apply for the duration of a `with` block; revert only what this block applied."""
+    done = apply(**features)
+    try:
+        yield done
+    finally:
+        revert(done)
+
+
 __all__ = [
+    "FEATURES",
+    "PATCHES",
     "SUPPORTED_MEGATRON_CORE",
     "MovedSymbolError",
     "UnsupportedMegatronError",
+    "applied",
+    "apply",
     "check_megatron_version",
     "megatron_core_version",
+    "patched",
     "resolve",
+    "revert",
 ]

@@ -52,7 +52,7 @@ def check_megatron_version(version: Optional[str] = None) -> str:
 def resolve(dotted: str) -> Any:
     """Import `package.module.Attr[.attr...]`; raise `MovedSymbolError` naming it and the version."""
     parts = dotted.split(".")
-    for split in range(len(parts) - 1, 0, -1):
+    for split in range(len(parts), 0, -1):
         try:
             obj = importlib.import_module(".".join(parts[:split]))
         except ModuleNotFoundError:

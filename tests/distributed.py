@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
+import traceback
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -25,3 +27,37 @@ def run_ranks(world_size: int, fn, *args) -> None:
     """
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(_entry, args=(world_size, os.path.join(tmp, "init"), fn, args), nprocs=world_size, join=True)
+
+
+class Checks:
+    """Records the outcome of named checks on one rank ("ok" or the traceback)."""
+
+    def __init__(self):
+        self.results = {}
+
+    def run(self, name, fn, *args):
+        try:
+            fn(*args)
+            self.results.setdefault(name, "ok")
+        except Exception:  # noqa: BLE001 - recorded and asserted by the parent test
+            self.results[name] = traceback.format_exc()
+
+    def save(self, out_dir, rank):
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(self.results, f)
+
+
+def merged_results(out_dir, world_size) -> dict:
+    """Every rank's check outcomes: a check is "ok" only if it is on every rank that ran it."""
+    merged = {}
+    for rank in range(world_size):
+        with open(os.path.join(out_dir, f"rank{rank}.json")) as f:
+            for name, outcome in json.load(f).items():
+                if outcome != "ok" or name not in merged:
+                    merged[name] = outcome if outcome == "ok" else f"rank {rank}:\n{outcome}"
+    return merged
+
+
+def assert_ok(results, name):
+    assert name in results, f"check {name} never ran"
+    assert results[name] == "ok", results[name]

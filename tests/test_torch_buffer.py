@@ -7,17 +7,14 @@ before any assertion, so a failing check cannot leave the ranks out of step.
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from tests import reference
-from tests.distributed import run_ranks
+from tests.distributed import Checks, assert_ok, merged_results, run_ranks
 
 WORLD_SIZES = (1, 2, 4)
 # (tokens per rank, experts, top-k, pad_multiple, hidden dtype, expert 0 left empty)
@@ -39,20 +36,6 @@ def _round_up(x, m):
 
 def _round_down(x, m):
     return x if m is None else x // m * m
-
-
-class _Checks:
-    """Records the outcome of named checks on one rank."""
-
-    def __init__(self):
-        self.results = {}
-
-    def run(self, name, fn, *args):
-        try:
-            fn(*args)
-            self.results.setdefault(name, "ok")
-        except Exception:  # noqa: BLE001 - recorded and asserted by the parent test
-            self.results[name] = traceback.format_exc()
 
 
 def _forward_backward(buf, x, m, p, rank, weights, num_local, capacity, pad_multiple):
@@ -262,13 +245,12 @@ def _reuse(checks, rank, world_size):
 
 
 def _worker(rank, world_size, out_dir):
-    checks = _Checks()
+    checks = Checks()
     for index, case in enumerate(CASES):
         _case(checks, rank, world_size, index, case)
     _guard_catches_blocking(checks, rank, world_size)
     _reuse(checks, rank, world_size)
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(checks.results, f)
+    checks.save(out_dir, rank)
 
 
 @pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda w: f"world{w}")
@@ -276,18 +258,7 @@ def results(request, tmp_path_factory):
     world_size = request.param
     out_dir = tmp_path_factory.mktemp(f"world{world_size}")
     run_ranks(world_size, _worker, str(out_dir))
-    merged = {}
-    for rank in range(world_size):
-        with open(out_dir / f"rank{rank}.json") as f:
-            for name, outcome in json.load(f).items():
-                if outcome != "ok" or name not in merged:
-                    merged[name] = outcome if outcome == "ok" else f"rank {rank}:\n{outcome}"
-    return merged
-
-
-def _assert_ok(results, name):
-    assert name in results, f"check {name} never ran"
-    assert results[name] == "ok", results[name]
+    return merged_results(out_dir, world_size)
 
 
 @pytest.mark.parametrize(
@@ -306,7 +277,7 @@ def _assert_ok(results, name):
     ],
 )
 def test_buffer(results, check):
-    _assert_ok(results, check)
+    assert_ok(results, check)
 
 
 def test_cases_cover_the_issue():

@@ -1,0 +1,55 @@
+"""Sizing rules for capacity-mode dispatch and for padding token counts. Pure functions.
+
+Capacity mode sizes every non-blocking dispatch of a MoE layer to one host integer C, learned
+once from a blocking calibration dispatch:
+
+    C = align(ceil(max over the EP group of P_r x factor))
+
+where P_r is the number of rows rank r's calibration dispatch produced (padded per expert) and
+`align` rounds up to a multiple of `capacity_alignment(pad_multiple)`. The product is computed
+exactly on the decimal value of the factor (1.1 x 100 is 110, not 111), and C is never below
+one alignment unit, so a layer calibrated on a batch that routed nothing still runs.
+"""
+
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+from typing import Optional
+
+# HybridEP's permute buffers are sized in groups of 4 rows.
+CAPACITY_ALIGNMENT = 4
+
+
+def round_up(value: int, multiple: int) -> int:
+    """The smallest multiple of `multiple` that is >= `value` (`value` >= 0, `multiple` >= 1)."""
+    if multiple < 1:
+        raise ValueError(f"round_up: `multiple` must be >= 1; got {multiple}.")
+    return -(-value // multiple) * multiple
+
+
+def capacity_alignment(pad_multiple: Optional[int]) -> int:
+    """What a capacity must be a multiple of: 4 and the per-expert `pad_multiple` (fp8/fp4)."""
+    return math.lcm(CAPACITY_ALIGNMENT, pad_multiple or 1)
+
+
+def capacity_from_rows(rows: int, factor: float, pad_multiple: Optional[int] = None) -> int:
+    """Capacity for a layer whose largest calibration dispatch in the EP group made `rows` rows.
+
+    `ceil(rows x factor)` rounded up to `capacity_alignment(pad_multiple)`, at least one unit.
+    """
+    if rows < 0:
+        raise ValueError(f"capacity_from_rows: `rows` must be >= 0; got {rows}.")
+    if not (isinstance(factor, (int, float)) and math.isfinite(factor) and factor >= 1.0):
+        raise ValueError(f"capacity_from_rows: `factor` must be a finite number >= 1.0; got {factor}.")
+    alignment = capacity_alignment(pad_multiple)
+    scaled = math.ceil(rows * Fraction(str(factor)))
+    return max(round_up(scaled, alignment), alignment)
+
+
+def equal_count_padding(num_tokens: int, alignment: int) -> int:
+    """Token count every rank pads to when all ranks declare the same count: the local one, aligned.
+
+    With equal counts the EP-group maximum is the local count, so no all-reduce is needed.
+    """
+    return round_up(num_tokens, alignment)

@@ -1,0 +1,67 @@
+"""Megatron `TransformerConfig` with megatron-ext's fields.
+
+`megatron_ext.patches.apply()` makes Megatron's argument parser and
+`core_transformer_config_from_args` use these classes, so the fields below become
+`--moe-hybridep-...` flags (their docstrings are the `--help` text) and reach the config built
+from the parsed arguments. Code that builds its config by hand can instantiate them directly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Literal, Optional
+
+from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
+
+from megatron_ext import options
+
+
+@dataclass
+class HybridEPTransformerConfig(TransformerConfig):
+    """Megatron's TransformerConfig plus megatron-ext's HybridEP dispatch fields."""
+
+    moe_hybridep_capacity_factor: Optional[float] = None
+    """[megatron-ext] Capacity mode for the HybridEP flex dispatcher. Unset: Megatron's blocking
+    dispatch, which reads the permuted row count on the host at every MoE layer. A factor f >= 1.0:
+    each MoE layer runs one blocking calibration dispatch, then sizes every later dispatch to
+    ceil(rows x f) (the EP-group maximum, aligned) and runs it without any host synchronisation;
+    a dispatch that needs more rows stops training with an error naming the layer, never
+    truncating tokens silently. Needs --moe-token-dispatcher-type flex
+    --moe-flex-dispatcher-backend hybridep."""
+
+    moe_hybridep_equal_token_counts: bool = False
+    """[megatron-ext] Declare that every rank of the expert-parallel group holds the same number
+    of tokens (fixed-shape batches). HybridEP dispatch inputs are then padded to the local count
+    aligned to 64, with no all-reduce and no host read. Keep it off for variable-length or
+    packed inputs (use --moe-hybridep-pad-uneven-dispatch-inputs there)."""
+
+    moe_hybridep_verify_equal_token_counts: bool = False
+    """[megatron-ext] With --moe-hybridep-equal-token-counts, check on the device at every
+    dispatch that all ranks hold the same number of tokens, and fail loudly if not. Costs one
+    small all-reduce per dispatch, no host read."""
+
+    moe_hybridep_reuse_allgather_buffer: bool = False
+    """[megatron-ext] Gather the routing maps of each HybridEP dispatch into one buffer per
+    process group instead of a fresh tensor per dispatch (saves tokens x ranks x experts bytes of
+    allocation per dispatch). With deep_ep, its persistent all-gather buffer is used where the
+    topology allows (one node, 16-byte aligned rows) and the plain all-gather elsewhere."""
+
+    moe_hybridep_implementation: Literal["auto", "deep_ep", "torch"] = "auto"
+    """[megatron-ext] Which HybridEP buffer dispatches tokens: deep_ep (DeepEP's hybrid-ep
+    kernels), torch (megatron-ext's implementation on torch.distributed, any GPU or CPU), or
+    auto (deep_ep where its HybridEPBuffer imports, torch otherwise)."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        options.validate(self)
+
+
+@dataclass
+class HybridEPMLATransformerConfig(HybridEPTransformerConfig, MLATransformerConfig):
+    """Megatron's MLATransformerConfig plus megatron-ext's HybridEP dispatch fields."""
+
+
+# The names of megatron-ext's own fields, in declaration order.
+FIELD_NAMES: tuple[str, ...] = tuple(
+    f.name for f in fields(HybridEPTransformerConfig) if f.name not in {g.name for g in fields(TransformerConfig)}
+)

@@ -1,0 +1,303 @@
+"""The HybridEP flex dispatcher with capacity mode, equal token counts and routing-map reuse.
+
+`HybridEPTokenDispatcher` is what Megatron's `MoELayer` builds for `--moe-token-dispatcher-type
+flex` once `megatron_ext.patches.apply()` has run. With none of megatron-ext's options set and
+deep_ep installed it is Megatron's own `MoEFlexTokenDispatcher`, unchanged. Otherwise its
+`HybridEPCapacityManager` drives a HybridEP buffer (deep_ep's or megatron-ext's PyTorch one):
+
+* Token counts. Megatron's default passes each rank's count through (HybridEP needs them equal);
+  `--moe-hybridep-pad-uneven-dispatch-inputs` pads to the EP-group maximum, an all-reduce and a
+  host read per dispatch. `--moe-hybridep-equal-token-counts` pads to the local count aligned to
+  64: no collective, no host read; `--moe-hybridep-verify-equal-token-counts` adds a device-side
+  check of that declaration (one small all-reduce, no host read).
+* Capacity mode (`--moe-hybridep-capacity-factor f`). The first dispatch of each layer is blocking
+  and learns its row count P; the layer's capacity becomes `capacity_from_rows(EP-group max of P,
+  f)`, read on the host once. Every later dispatch is non-blocking at that capacity and asserts on
+  the device that nothing overflowed (`torch._assert_async`), so a too-small capacity fails the
+  step instead of training on truncated tokens. Combine gets the dispatch's host-known row count,
+  so its backward dispatch is non-blocking too, even after the blocking calibration dispatch.
+* Recompute. A forward that ran without grad (Megatron's activation checkpointing) is replayed in
+  the backward; if it was the calibration dispatch, the replay is blocking again, so the
+  recomputed layer has the extent the forward had.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from megatron.core.transformer.moe.moe_utils import get_align_size_for_quantization
+from megatron.core.transformer.moe.token_dispatcher import MoEFlexTokenDispatcher, MoETokenDispatcher
+
+from megatron_ext.capacity import capacity_from_rows, equal_count_padding
+from megatron_ext.hybridep import OVERFLOW_FLAG_INDEX, autograd
+from megatron_ext.hybridep.buffers import get_buffer
+from megatron_ext.options import HybridEPOptions, flag, resolve_implementation, validate
+
+logger = logging.getLogger("megatron_ext")
+
+# HybridEP's kernels work on 64-token chunks; Megatron pads uneven inputs to this too.
+TOKEN_ALIGNMENT = 64
+
+_layer_counter = itertools.count()
+
+
+@dataclass
+class DispatchStats:
+    """What one layer's manager did, for tests and the bench."""
+
+    blocking_dispatches: int = 0
+    non_blocking_dispatches: int = 0
+    calibrations: int = 0
+    token_count_all_reduces: int = 0
+    host_reads: int = 0  # reads of a device value on the host that this manager made itself
+    capacities: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class InFlight:
+    """What a combine needs from its dispatch."""
+
+    buffer: Any
+    handle: Any
+    num_permuted_tokens: int  # rows the dispatch produced, a host int (its backward reuses it)
+    num_tokens: int  # this rank's tokens before padding
+
+
+def in_backward() -> bool:
+    """Whether autograd is running a backward on this thread (a checkpoint recompute is)."""
+    return torch._C._current_autograd_node() is not None
+
+
+class HybridEPCapacityManager:
+    """Dispatch policy for one MoE layer, with Megatron's `_DispatchManager` interface.
+
+    Args:
+        group: the TP x EP process group the layer's tokens travel in.
+        num_local_experts: experts on this rank (L). num_experts: L x group size.
+        config: the layer's TransformerConfig. options: megatron-ext's validated options.
+        implementation: 'torch' or 'deep_ep', the buffer to drive.
+    """
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup,
+        num_local_experts: int,
+        num_experts: int,
+        config: Any,
+        options: HybridEPOptions,
+        implementation: str,
+    ):
+        self.group = group
+        self.num_local_experts = num_local_experts
+        self.num_experts = num_experts
+        self.config = config
+        self.options = options
+        self.implementation = implementation
+        self.name = f"MoE layer #{next(_layer_counter)}"  # MoELayer's patch names it by layer number
+        self.pad_multiple = get_align_size_for_quantization(config) if (config.fp8 or config.fp4) else None
+        self.capacity: Optional[int] = None
+        self.local_calibration_rows: Optional[int] = None  # this rank's rows in the calibration dispatch
+        self.calibrated_rows: Optional[int] = None  # their EP-group maximum
+        self.stats = DispatchStats()
+        self._recompute_blocking = 0  # no-grad calibration forwards still to be replayed blocking
+        self._inflight: Optional[InFlight] = None
+        self._last_buffer: Any = None  # the buffer of the latest dispatch (stats for tests and the bench)
+        self.routing_map: Optional[torch.Tensor] = None
+        self.token_probs: Optional[torch.Tensor] = None
+        self.dispatched_probs: Optional[torch.Tensor] = None
+        self.tokens_per_expert: Optional[torch.Tensor] = None
+
+    # ----------------------------------------------------------- token counts
+
+    def _dispatch_tokens(self, num_tokens: int, device: torch.device) -> int:
+        """How many tokens this rank hands HybridEP (the same on every rank)."""
+        if self.options.equal_token_counts:
+            if self.options.verify_equal_token_counts:
+                self._verify_equal_counts(num_tokens, device)
+            return equal_count_padding(num_tokens, TOKEN_ALIGNMENT)
+        if self.config.moe_hybridep_pad_uneven_dispatch_inputs:
+            largest = torch.full((1,), num_tokens, dtype=torch.int64, device=device)
+            dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=self.group)
+            self.stats.token_count_all_reduces += 1
+            self.stats.host_reads += 1
+            return equal_count_padding(int(largest.item()), TOKEN_ALIGNMENT)
+        return num_tokens
+
+    def _verify_equal_counts(self, num_tokens: int, device: torch.device) -> None:
+        # max(n) and max(-n) in one all-reduce; every rank computes the same verdict.
+        extremes = torch.full((2,), num_tokens, dtype=torch.int64, device=device)
+        extremes[1] = -num_tokens
+        dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=self.group)
+        self.stats.token_count_all_reduces += 1
+        torch._assert_async(
+            extremes[0] + extremes[1] == 0,
+            f"megatron-ext: {self.name}: ranks of the expert-parallel group hold different token counts "
+            f"(this rank {num_tokens}), but {flag('moe_hybridep_equal_token_counts')} declares them equal. "
+            "Drop it and use --moe-hybridep-pad-uneven-dispatch-inputs for variable-length batches.",
+        )
+
+    # ----------------------------------------------------------- Megatron's manager interface
+
+    def setup_metadata(self, routing_map: torch.Tensor, probs: torch.Tensor) -> None:
+        """Take the layer's `[T, E]` routing map and probs; pad them to the dispatch count."""
+        num_tokens = routing_map.shape[0]
+        routing_map = routing_map.reshape(num_tokens, self.num_experts)
+        probs = probs.reshape(num_tokens, self.num_experts).float()  # HybridEP takes float32 probs
+        padded = self._dispatch_tokens(num_tokens, routing_map.device)
+        if padded > num_tokens:
+            routing_map = torch.nn.functional.pad(routing_map, (0, 0, 0, padded - num_tokens), value=False)
+            probs = torch.nn.functional.pad(probs, (0, 0, 0, padded - num_tokens))
+        self.routing_map, self.token_probs = routing_map, probs
+        self._num_tokens = num_tokens
+
+    def dispatch(self, hidden_states: torch.Tensor, async_finish: bool = True, allocate_on_comm_stream: bool = True):
+        """Dispatch `[T, H]` tokens; returns `[P, H]` rows grouped by local expert."""
+        padded = self.routing_map.shape[0]
+        if padded > hidden_states.shape[0]:
+            hidden_states = torch.nn.functional.pad(hidden_states, (0, 0, 0, padded - hidden_states.shape[0]))
+        buffer = get_buffer(
+            self.implementation,
+            self.group,
+            hidden_dim=hidden_states.shape[1],
+            num_tokens=padded,
+            num_local_experts=self.num_local_experts,
+            reuse_allgather_buffer=self.options.reuse_allgather_buffer,
+        )
+        self._last_buffer = buffer
+        extent = self._extent()
+        rows, self.dispatched_probs, self.tokens_per_expert, handle = autograd.dispatch(
+            buffer,
+            hidden_states,
+            self.routing_map,
+            self.token_probs,
+            num_local_experts=self.num_local_experts,
+            num_permuted_tokens=extent,
+            pad_multiple=self.pad_multiple,
+        )
+        if extent is None:
+            self.stats.blocking_dispatches += 1
+            extent = rows.shape[0]  # known on the host once a blocking dispatch returns
+            if self.options.capacity_factor is not None and self.capacity is None:
+                self._calibrate(extent, rows.device)
+        else:
+            self.stats.non_blocking_dispatches += 1
+            self._assert_no_overflow(handle)
+        self._inflight = InFlight(buffer, handle, extent, self._num_tokens)
+        return rows
+
+    def combine(self, hidden_states: torch.Tensor, async_finish: bool = True, allocate_on_comm_stream: bool = True):
+        """Return `[P, H]` expert outputs to their tokens: `[T, H]`."""
+        inflight, self._inflight = self._inflight, None
+        tokens = autograd.combine(
+            inflight.buffer,
+            hidden_states,
+            inflight.handle,
+            num_permuted_tokens=inflight.num_permuted_tokens,
+            pad_multiple=self.pad_multiple,
+        )
+        return tokens[: inflight.num_tokens]
+
+    def get_permuted_hidden_states_by_experts(self, hidden_states: torch.Tensor):
+        return hidden_states, self.dispatched_probs
+
+    def get_restored_hidden_states_by_experts(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return hidden_states
+
+    def get_number_of_tokens_per_expert(self) -> torch.Tensor:
+        return self.tokens_per_expert
+
+    # ----------------------------------------------------------- capacity mode
+
+    def _extent(self) -> Optional[int]:
+        """None for a blocking dispatch, else the capacity to dispatch non-blocking with."""
+        if self.capacity is None:
+            return None
+        if self._recompute_blocking and in_backward():
+            self._recompute_blocking -= 1  # replaying the calibration forward: blocking, as it was
+            return None
+        return self.capacity
+
+    def _calibrate(self, rows: int, device: torch.device) -> None:
+        self.local_calibration_rows = rows
+        largest = torch.full((1,), rows, dtype=torch.int64, device=device)
+        dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=self.group)
+        self.stats.host_reads += 1
+        self.calibrated_rows = int(largest.item())  # the one host read of capacity mode, per layer
+        self.capacity = capacity_from_rows(self.calibrated_rows, self.options.capacity_factor, self.pad_multiple)
+        self.stats.calibrations += 1
+        self.stats.capacities.append(self.capacity)
+        if not torch.is_grad_enabled() and not in_backward():
+            self._recompute_blocking += 1
+        logger.info(
+            "megatron-ext: %s: calibrated %d rows (EP-group max %d) x %s -> capacity %d.",
+            self.name,
+            rows,
+            self.calibrated_rows,
+            self.options.capacity_factor,
+            self.capacity,
+        )
+
+    def _assert_no_overflow(self, handle: Any) -> None:
+        overflow = handle[OVERFLOW_FLAG_INDEX]
+        torch._assert_async(
+            overflow[0] == 0,
+            f"megatron-ext: {self.name}: a HybridEP dispatch needed more than the layer's capacity of "
+            f"{self.capacity} rows (calibrated at {self.calibrated_rows} rows x "
+            f"{self.options.capacity_factor}); the step was stopped rather than train on truncated "
+            f"tokens. Raise {flag('moe_hybridep_capacity_factor')} above {self.options.capacity_factor}.",
+        )
+
+
+class HybridEPTokenDispatcher(MoEFlexTokenDispatcher):
+    """Megatron's flex dispatcher, with megatron-ext's manager for the hybridep backend.
+
+    Megatron's own manager is kept when the backend is not hybridep, or when no megatron-ext
+    option changes the dispatch and deep_ep is installed (stock behaviour, exactly). Otherwise,
+    including hybridep without deep_ep, `HybridEPCapacityManager` drives the buffer.
+    """
+
+    def __init__(
+        self,
+        num_local_experts: int,
+        local_expert_indices: list[int],
+        config: Any,
+        pg_collection: Optional[Any] = None,
+    ):
+        options = HybridEPOptions.from_config(config)
+        implementation = resolve_implementation(options.implementation)
+        self.uses_megatron_ext = config.moe_flex_dispatcher_backend == "hybridep" and (
+            options.changes_dispatch or implementation == "torch"
+        )
+        if not self.uses_megatron_ext:
+            super().__init__(num_local_experts, local_expert_indices, config=config, pg_collection=pg_collection)
+            return
+        options = validate(config)
+        # MoEFlexTokenDispatcher.__init__ would build Megatron's HybridEP manager, which needs
+        # deep_ep and a GPU; set up what it sets, with our manager instead.
+        MoETokenDispatcher.__init__(self, config=config, pg_collection=pg_collection)
+        self.num_local_experts = num_local_experts
+        self.local_expert_indices = local_expert_indices
+        self._comm_manager = HybridEPCapacityManager(
+            group=self.tp_ep_group,
+            num_local_experts=num_local_experts,
+            num_experts=self.tp_size * config.num_moe_experts,
+            config=config,
+            options=options,
+            implementation=implementation,
+        )
+        self.cudagraph_attrs = ["_comm_manager.token_probs", "_comm_manager.routing_map"]
+
+    def dispatch_preprocess(self, hidden_states: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor):
+        """Megatron's preprocessing, run eagerly for our manager (it holds collectives to compile around)."""
+        if not self.uses_megatron_ext:
+            return super().dispatch_preprocess(hidden_states, routing_map, probs)
+        self.hidden_shape = hidden_states.shape
+        hidden_states = hidden_states.view(-1, self.hidden_shape[-1])
+        routing_map, probs = self._initialize_metadata(routing_map, probs)
+        self._comm_manager.setup_metadata(routing_map, probs)
+        return hidden_states, self._comm_manager.token_probs

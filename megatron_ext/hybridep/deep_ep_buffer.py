@@ -1,0 +1,72 @@
+"""deep_ep's HybridEPBuffer behind the same calls as ours. deep_ep is imported here, lazily, only.
+
+deep_ep's buffer already has the API megatron-ext drives (`dispatch_with_permute`,
+`combine_with_unpermute`, the overflow flag at handle index 10), so this module only decides how
+to construct it. Routing-map reuse maps to deep_ep's persistent all-gather buffer
+(`enable_custom_allgather=True`), which deep_ep supports when every rank of the group is on one
+node and each rank's map is a multiple of 16 bytes; elsewhere the plain all-gather is kept.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from typing import Any
+
+import torch.distributed as dist
+
+logger = logging.getLogger("megatron_ext")
+
+# deep_ep's custom all-gather copies rows in 16-byte units.
+CUSTOM_ALLGATHER_ALIGNMENT = 16
+
+
+def group_on_one_node(group: dist.ProcessGroup) -> bool:
+    """Whether every rank of `group` runs on this host (one object all-gather; call it rarely)."""
+    hosts: list[Any] = [None] * group.size()
+    dist.all_gather_object(hosts, socket.gethostname(), group=group)
+    return len(set(hosts)) == 1
+
+
+def custom_allgather_reason(group: dist.ProcessGroup, num_tokens: int, num_experts: int) -> str | None:
+    """None when deep_ep's persistent all-gather buffer can serve this group, else why not."""
+    if not group_on_one_node(group):
+        return "the expert-parallel group spans several nodes"
+    if (num_tokens * num_experts) % CUSTOM_ALLGATHER_ALIGNMENT:
+        return (
+            f"each rank's routing map is {num_tokens} x {num_experts} bytes, not a multiple of "
+            f"{CUSTOM_ALLGATHER_ALIGNMENT}"
+        )
+    return None
+
+
+def create_deep_ep_buffer(
+    group: dist.ProcessGroup,
+    hidden_dim: int,
+    num_tokens: int,
+    num_local_experts: int,
+    *,
+    reuse_allgather_buffer: bool,
+) -> Any:
+    """A `deep_ep.HybridEPBuffer` for `group`, with the persistent all-gather where asked and allowed."""
+    from deep_ep import HybridEPBuffer
+
+    custom_allgather = False
+    if reuse_allgather_buffer:
+        reason = custom_allgather_reason(group, num_tokens, num_local_experts * group.size())
+        custom_allgather = reason is None
+        if custom_allgather:
+            logger.info("megatron-ext: deep_ep HybridEP gathers routing maps into its persistent buffer.")
+        else:
+            logger.warning(
+                "megatron-ext: --moe-hybridep-reuse-allgather-buffer: deep_ep's persistent all-gather "
+                "buffer cannot serve this group (%s); using deep_ep's plain all-gather.",
+                reason,
+            )
+    return HybridEPBuffer(
+        group=group,
+        hidden_dim=hidden_dim,
+        max_num_of_tokens_per_rank=num_tokens,
+        num_local_experts=num_local_experts,
+        enable_custom_allgather=custom_allgather,
+    )

@@ -1,0 +1,162 @@
+"""megatron-ext's MoE dispatch options, read from a Megatron config or an argparse namespace.
+
+This module does not import Megatron-Core: the same checks run on `parse_args`' namespace (so a
+bad flag combination stops the launch before anything is built), on a `TransformerConfig` at
+construction, and in the dispatcher. Every message names the flag and the fix.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Literal, Optional
+
+Implementation = Literal["auto", "deep_ep", "torch"]
+IMPLEMENTATIONS: tuple[str, ...] = ("auto", "deep_ep", "torch")
+
+
+class HybridEPConfigError(ValueError):
+    """A megatron-ext option, or its combination with a Megatron option, is invalid."""
+
+
+def flag(name: str) -> str:
+    """The command-line spelling of a config field: `moe_x_y` -> `--moe-x-y`."""
+    return "--" + name.replace("_", "-")
+
+
+@dataclass(frozen=True)
+class HybridEPOptions:
+    """The megatron-ext fields of a config (defaults: stock Megatron behaviour)."""
+
+    capacity_factor: Optional[float] = None
+    equal_token_counts: bool = False
+    verify_equal_token_counts: bool = False
+    reuse_allgather_buffer: bool = False
+    implementation: str = "auto"
+
+    @classmethod
+    def from_config(cls, config: Any) -> HybridEPOptions:
+        """Read the options from a config or namespace; absent fields take their defaults."""
+        return cls(
+            capacity_factor=getattr(config, "moe_hybridep_capacity_factor", None),
+            equal_token_counts=bool(getattr(config, "moe_hybridep_equal_token_counts", False)),
+            verify_equal_token_counts=bool(getattr(config, "moe_hybridep_verify_equal_token_counts", False)),
+            reuse_allgather_buffer=bool(getattr(config, "moe_hybridep_reuse_allgather_buffer", False)),
+            implementation=getattr(config, "moe_hybridep_implementation", "auto"),
+        )
+
+    @property
+    def changes_dispatch(self) -> bool:
+        """Whether any option other than the implementation departs from stock behaviour."""
+        return (
+            self.capacity_factor is not None
+            or self.equal_token_counts
+            or self.verify_equal_token_counts
+            or self.reuse_allgather_buffer
+        )
+
+    def set_flags(self) -> list[str]:
+        """The flags that differ from their defaults, for messages."""
+        names = []
+        if self.capacity_factor is not None:
+            names.append(flag("moe_hybridep_capacity_factor"))
+        if self.equal_token_counts:
+            names.append(flag("moe_hybridep_equal_token_counts"))
+        if self.verify_equal_token_counts:
+            names.append(flag("moe_hybridep_verify_equal_token_counts"))
+        if self.reuse_allgather_buffer:
+            names.append(flag("moe_hybridep_reuse_allgather_buffer"))
+        if self.implementation != "auto":
+            names.append(flag("moe_hybridep_implementation"))
+        return names
+
+
+def deep_ep_import_error() -> Optional[str]:
+    """None when `deep_ep.HybridEPBuffer` imports, else why not (imported lazily, here only)."""
+    try:
+        from deep_ep import HybridEPBuffer  # noqa: F401
+    except Exception as exc:  # ImportError, or a CUDA/driver error raised at import
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def resolve_implementation(requested: str) -> str:
+    """'deep_ep' or 'torch': 'auto' picks deep_ep where its HybridEPBuffer imports."""
+    if requested == "auto":
+        return "deep_ep" if deep_ep_import_error() is None else "torch"
+    return requested
+
+
+def validate(config: Any) -> HybridEPOptions:
+    """Check megatron-ext's options on `config` (a TransformerConfig or a parsed namespace).
+
+    Raises `HybridEPConfigError` naming the flag and the fix; returns the options otherwise.
+    """
+    options = HybridEPOptions.from_config(config)
+    if options.implementation not in IMPLEMENTATIONS:
+        raise HybridEPConfigError(
+            f"{flag('moe_hybridep_implementation')} {options.implementation!r} is not one of "
+            f"{', '.join(IMPLEMENTATIONS)}."
+        )
+    set_flags = options.set_flags()
+    if not set_flags:
+        return options
+
+    dispatcher = getattr(config, "moe_token_dispatcher_type", None)
+    backend = getattr(config, "moe_flex_dispatcher_backend", None)
+    if dispatcher != "flex" or backend != "hybridep":
+        raise HybridEPConfigError(
+            f"{', '.join(set_flags)}: megatron-ext's options work with the HybridEP flex dispatcher only; got "
+            f"--moe-token-dispatcher-type {dispatcher} --moe-flex-dispatcher-backend {backend}. "
+            "Set --moe-token-dispatcher-type flex --moe-flex-dispatcher-backend hybridep, or drop "
+            f"{', '.join(set_flags)}."
+        )
+
+    factor = options.capacity_factor
+    if factor is not None:
+        capacity = flag("moe_hybridep_capacity_factor")
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not math.isfinite(factor):
+            raise HybridEPConfigError(f"{capacity} must be a finite number >= 1.0; got {factor!r}.")
+        if factor < 1.0:
+            raise HybridEPConfigError(
+                f"{capacity} {factor} would drop tokens; use >= 1.0 (1.5 leaves room for routing "
+                "to drift after calibration), or leave it unset for the blocking dispatch."
+            )
+        if getattr(config, "moe_expert_rank_capacity_factor", None) is not None:
+            raise HybridEPConfigError(
+                f"{capacity} and --moe-expert-rank-capacity-factor both size the HybridEP dispatch; "
+                "use one. megatron-ext's calibrates each layer and fails on overflow; Megatron's is "
+                "a static budget whose overflow is rerun by the paged-stash runner."
+            )
+        if getattr(config, "moe_pad_expert_input_to_capacity", False):
+            raise HybridEPConfigError(
+                f"{capacity} cannot be combined with --moe-pad-expert-input-to-capacity (which drops "
+                "tokens per expert by design); drop one of them."
+            )
+        if getattr(config, "fp8", None) or getattr(config, "fp4", None):
+            # Expert compute in capacity mode reads counts on the device; fp8/fp4 padding does not.
+            raise HybridEPConfigError(
+                f"{capacity} does not support --fp8-format/--fp4-format yet: the quantized expert "
+                f"path pads token counts on the host. Train in bf16 or drop {capacity}."
+            )
+
+    if options.equal_token_counts and getattr(config, "moe_hybridep_pad_uneven_dispatch_inputs", False):
+        raise HybridEPConfigError(
+            f"{flag('moe_hybridep_equal_token_counts')} declares every rank holds the same number of "
+            "tokens; --moe-hybridep-pad-uneven-dispatch-inputs pads unequal counts with an all-reduce "
+            "per dispatch. Use one: the first for fixed-shape batches, the second for variable ones."
+        )
+    if options.verify_equal_token_counts and not options.equal_token_counts:
+        raise HybridEPConfigError(
+            f"{flag('moe_hybridep_verify_equal_token_counts')} checks the declaration made by "
+            f"{flag('moe_hybridep_equal_token_counts')}; set that flag too, or drop this one."
+        )
+    if options.implementation == "deep_ep":
+        reason = deep_ep_import_error()
+        if reason is not None:
+            raise HybridEPConfigError(
+                f"{flag('moe_hybridep_implementation')} deep_ep: deep_ep's HybridEPBuffer does not "
+                f"import here ({reason}). Install DeepEP's hybrid-ep branch, or use "
+                f"{flag('moe_hybridep_implementation')} torch (or auto)."
+            )
+    return options

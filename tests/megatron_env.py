@@ -1,0 +1,148 @@
+"""Real Megatron-Core MoE layers on CPU gloo ranks, for tests.
+
+Megatron's MoE layer assumes CUDA in three places that have nothing to do with what is tested
+here; `shim_cuda()` stands them in with CPU equivalents (test-only, never shipped):
+* streams and events (`torch.cuda.Stream/Event/current_stream/stream`): one CPU "stream", so
+  waits and synchronisations are no-ops;
+* `torch.cuda.current_device()`: "cpu";
+* `moe_utils.maybe_move_tensor_to_cpu`, which only converts CUDA tensors, so the alltoall
+  dispatcher's split sizes would stay tensors: converted to numpy as it asks;
+* the CUDA RNG state that activation checkpointing saves and restores: nothing to save on CPU
+  (the CPU RNG state is still saved and restored by Megatron).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+
+class _Event:
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def record(self, *args):
+        pass
+
+    def wait(self, *args):
+        pass
+
+    def synchronize(self):
+        pass
+
+
+class _Stream:
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, *args):
+        pass
+
+    def wait_event(self, *args):
+        pass
+
+    def record_event(self, *args, **kwargs):
+        return _Event()
+
+    def synchronize(self):
+        pass
+
+
+def _to_host(tensor, as_numpy=False, record_stream=False):
+    return tensor.numpy() if as_numpy and torch.is_tensor(tensor) else tensor
+
+
+def shim_cuda() -> None:
+    """Stand in Megatron's CUDA-only stream, device and copy helpers with CPU ones (this process)."""
+    torch.cuda.Stream = _Stream
+    torch.cuda.Event = _Event
+    torch.cuda.current_stream = lambda *args, **kwargs: _Stream()
+    torch.cuda.stream = lambda *args, **kwargs: contextlib.nullcontext()
+    torch.cuda.current_device = lambda: "cpu"
+    from megatron.core.tensor_parallel import random
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    moe_utils.maybe_move_tensor_to_cpu = _to_host
+    token_dispatcher.maybe_move_tensor_to_cpu = _to_host
+    random._get_cuda_rng_state = lambda *args, **kwargs: None
+    random._set_cuda_rng_state = lambda *args, **kwargs: None
+
+
+def init_megatron(world_size: int) -> None:
+    """Megatron's parallel state with every rank in one expert-parallel group (gloo already up)."""
+    from megatron.core import parallel_state
+
+    shim_cuda()
+    parallel_state.initialize_model_parallel(expert_model_parallel_size=world_size)
+
+
+BASE = dict(
+    num_layers=1,
+    hidden_size=16,
+    num_attention_heads=1,
+    num_moe_experts=8,
+    moe_router_topk=2,
+    moe_ffn_hidden_size=24,
+    params_dtype=torch.float32,
+    add_bias_linear=False,
+    moe_router_dtype="fp32",
+    use_cpu_initialization=True,
+    moe_router_load_balancing_type="none",
+    moe_aux_loss_coeff=0.0,
+    bias_activation_fusion=False,
+    gated_linear_unit=True,
+    activation_func=torch.nn.functional.silu,
+)
+FLEX = dict(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="hybridep")
+
+
+def make_config(world_size: int, **overrides):
+    from megatron_ext.config import HybridEPTransformerConfig
+
+    return HybridEPTransformerConfig(**{**BASE, "expert_model_parallel_size": world_size, **overrides})
+
+
+def moe_layer(config, experts: str = "spec", seed: int = 1234):
+    """A Megatron MoELayer from Megatron's local GPT layer spec; experts 'spec' (Megatron's
+    SequentialMLP) or 'grouped' (megatron_ext's GroupedMLP). Weights depend on `seed` only."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
+
+    spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False)
+    submodules = spec.submodules.mlp.keywords["submodules"]
+    if experts == "grouped":
+        from megatron_ext.experts import GroupedMLP
+
+        submodules = MoESubmodules(experts=GroupedMLP, shared_experts=submodules.shared_experts)
+    torch.manual_seed(seed)
+    return MoELayer(config, submodules=submodules, layer_number=1)
+
+
+def copy_weights(source, target) -> None:
+    """Load `source`'s weights into `target` (same parameter names)."""
+    missing, unexpected = target.load_state_dict(source.state_dict(), strict=False)
+    assert not unexpected and not [k for k in missing if not k.endswith("_extra_state")], (missing, unexpected)
+
+
+def run_steps(layer, inputs, wrap=None):
+    """Forward + backward per input; returns [(output, input grad, {param: grad})] per step.
+
+    `wrap(layer, x)` replaces the plain call (e.g. to checkpoint the layer).
+    """
+    results = []
+    for x in inputs:
+        x = x.clone().requires_grad_(True)
+        layer.zero_grad(set_to_none=True)
+        out = wrap(layer, x) if wrap is not None else layer(x)[0]
+        weights = torch.linspace(-1.0, 1.0, out.numel(), dtype=out.dtype).view_as(out)
+        (out * weights).sum().backward()
+        grads = {n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None}
+        results.append((out.detach().clone(), x.grad.clone(), grads))
+    return results
+
+
+def step_inputs(rank: int, steps: int, tokens: int, hidden: int, seed: int = 0):
+    """Fresh `[tokens, 1, hidden]` inputs per step and rank (dynamic routing)."""
+    generator = torch.Generator().manual_seed(seed * 1000 + rank)
+    return [torch.randn(tokens, 1, hidden, generator=generator) for _ in range(steps)]

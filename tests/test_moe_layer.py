@@ -1,0 +1,263 @@
+"""Real Megatron-Core MoE layers with megatron-ext's patch, on 1, 2 and 4 spawned gloo ranks.
+
+One spawn per world size runs every check (each builds its layers from Megatron's own layer spec
+and config, runs several forward/backward steps on fresh per-rank inputs, so routing changes
+every step) and records "ok" or the failure; the tests below read the records. Within a check
+every rank runs the same collectives before asserting, so a failure cannot leave ranks out of step.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.distributed import Checks, assert_ok, merged_results, run_ranks
+from tests.megatron_env import FLEX, copy_weights, init_megatron, make_config, moe_layer, run_steps, step_inputs
+
+WORLD_SIZES = (1, 2, 4)
+HIDDEN = 16
+
+
+def _manager(layer):
+    return layer.token_dispatcher._comm_manager
+
+
+def _assert_same(expected, actual, exact=True):
+    """Outputs, input gradients and parameter gradients of two runs, step by step."""
+    assert len(expected) == len(actual)
+    for step, ((out_a, dx_a, g_a), (out_b, dx_b, g_b)) in enumerate(zip(expected, actual)):
+        pairs = [("output", out_a, out_b), ("input grad", dx_a, dx_b)]
+        assert g_a.keys() == g_b.keys(), (sorted(g_a), sorted(g_b))
+        pairs += [(f"grad {name}", g_a[name], g_b[name]) for name in g_a]
+        for what, a, b in pairs:
+            if exact:
+                assert torch.equal(a, b), f"step {step}: {what} differs by {(a - b).abs().max()}"
+            else:
+                torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=f"step {step}: {what}")
+
+
+class _CountAllReduce:
+    """Counts torch.distributed.all_reduce calls while active."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __enter__(self):
+        self._original = dist.all_reduce
+
+        def counting(*args, **kwargs):
+            self.calls += 1
+            return self._original(*args, **kwargs)
+
+        dist.all_reduce = counting
+        return self
+
+    def __exit__(self, *exc):
+        dist.all_reduce = self._original
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def dispatcher_is_ours_with_flags(rank, world):
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    from megatron_ext.dispatcher import HybridEPCapacityManager, HybridEPTokenDispatcher
+    from megatron_ext.experts import GroupedMLP
+
+    layer = moe_layer(make_config(world, **FLEX, moe_hybridep_capacity_factor=1.5))
+    assert type(layer.token_dispatcher) is HybridEPTokenDispatcher and layer.token_dispatcher.uses_megatron_ext
+    assert isinstance(_manager(layer), HybridEPCapacityManager)
+    assert _manager(layer).name == "MoE layer 1"
+    assert isinstance(layer.experts, GroupedMLP), type(layer.experts)  # SequentialMLP reads counts on the host
+    blocking = moe_layer(make_config(world, **FLEX))
+    assert isinstance(blocking.experts, SequentialMLP)  # only capacity mode swaps the experts
+
+
+def no_flags_equal_stock_alltoall(rank, world):
+    stock = moe_layer(make_config(world, moe_token_dispatcher_type="alltoall"))
+    ours = moe_layer(make_config(world, **FLEX), seed=99)
+    copy_weights(stock, ours)
+    assert ours.token_dispatcher.uses_megatron_ext  # no deep_ep here: hybridep runs on the torch buffer
+    inputs = step_inputs(rank, 3, 24, HIDDEN, seed=1)
+    _assert_same(run_steps(stock, inputs), run_steps(ours, inputs), exact=False)
+
+
+def _capacity_equals_blocking(rank, world, factor, static):
+    from megatron_ext.capacity import capacity_from_rows
+    from megatron_ext.sync import forbid_host_sync
+
+    inputs = step_inputs(rank, 4, 32, HIDDEN, seed=2)
+    if static:  # factor 1.0 leaves no room for routing drift: keep the calibration batch
+        inputs = [inputs[0]] * len(inputs)
+    blocking = moe_layer(make_config(world, **FLEX), experts="grouped")
+    capacity = moe_layer(make_config(world, **FLEX, moe_hybridep_capacity_factor=factor), experts="grouped", seed=7)
+    copy_weights(blocking, capacity)
+    expected = run_steps(blocking, inputs)
+    actual = run_steps(capacity, inputs[:1])
+    with forbid_host_sync():
+        actual += run_steps(capacity, inputs[1:])
+    manager = _manager(capacity)
+    local_rows = [None] * world
+    dist.all_gather_object(local_rows, manager.local_calibration_rows)
+    _assert_same(expected, actual)
+    assert manager.stats.calibrations == 1 and manager.stats.blocking_dispatches == 1
+    assert manager.stats.non_blocking_dispatches == len(inputs) - 1
+    assert manager.calibrated_rows == max(local_rows)  # the EP-group maximum
+    assert manager.capacity == capacity_from_rows(max(local_rows), factor) and manager.capacity % 4 == 0
+
+
+def capacity_1_0_equals_blocking(rank, world):
+    _capacity_equals_blocking(rank, world, 1.0, static=True)
+
+
+def capacity_1_5_equals_blocking(rank, world):
+    _capacity_equals_blocking(rank, world, 1.5, static=False)
+
+
+def capacity_2_0_equals_blocking(rank, world):
+    _capacity_equals_blocking(rank, world, 2.0, static=False)
+
+
+def too_small_capacity_fails_loudly(rank, world):
+    from megatron_ext.sync import forbid_host_sync
+
+    layer = moe_layer(make_config(world, **FLEX, moe_hybridep_capacity_factor=1.0), experts="grouped")
+    inputs = step_inputs(rank, 2, 32, HIDDEN, seed=3)
+    run_steps(layer, inputs[:1])
+    manager = _manager(layer)
+    assert manager.local_calibration_rows > 4  # so every rank overflows below, none waits for the others
+    manager.capacity = 4  # as if routing had drifted far past the calibrated count
+    with pytest.raises(RuntimeError) as caught, forbid_host_sync():  # checked on the device, not read
+        run_steps(layer, inputs[1:])
+    message = str(caught.value)
+    for part in ("MoE layer 1", "capacity of 4 rows", "--moe-hybridep-capacity-factor", "truncated"):
+        assert part in message, message
+
+
+def equal_token_counts_skip_the_all_reduce(rank, world):
+    from megatron_ext.sync import forbid_host_sync
+
+    inputs = step_inputs(rank, 3, 30, HIDDEN, seed=4)  # 30 tokens: padded to 64 for HybridEP
+    blocking = moe_layer(make_config(world, **FLEX), experts="grouped")
+    equal = moe_layer(
+        make_config(world, **FLEX, moe_hybridep_equal_token_counts=True, moe_hybridep_capacity_factor=1.5),
+        experts="grouped",
+        seed=8,
+    )
+    padded = moe_layer(make_config(world, **FLEX, moe_hybridep_pad_uneven_dispatch_inputs=True), experts="grouped")
+    copy_weights(blocking, equal)
+    copy_weights(blocking, padded)
+    expected = run_steps(blocking, inputs)
+    actual = run_steps(equal, inputs[:1])
+    with _CountAllReduce() as equal_calls, forbid_host_sync():
+        actual += run_steps(equal, inputs[1:])
+    with _CountAllReduce() as padded_calls:
+        padded_results = run_steps(padded, inputs)
+    _assert_same(expected, actual)
+    _assert_same(expected, padded_results)
+    assert equal_calls.calls == 0, equal_calls.calls
+    assert padded_calls.calls == len(inputs), padded_calls.calls  # Megatron's way: one per dispatch
+    assert _manager(equal).routing_map.shape[0] == 64
+
+
+def verify_catches_unequal_counts(rank, world):
+    config = make_config(
+        world, **FLEX, moe_hybridep_equal_token_counts=True, moe_hybridep_verify_equal_token_counts=True
+    )
+    layer = moe_layer(config, experts="grouped")
+    with _CountAllReduce() as calls:
+        run_steps(layer, step_inputs(rank, 1, 30, HIDDEN, seed=5))  # equal counts pass
+    assert calls.calls == 1  # the check's one all-reduce per dispatch
+    if world == 1:
+        return
+    with pytest.raises(RuntimeError, match="hold different token counts"):
+        run_steps(layer, step_inputs(rank, 1, 30 + rank, HIDDEN, seed=5))
+
+
+def _recompute_same_gradients(rank, world, recompute):
+    from megatron.core import tensor_parallel
+
+    inputs = step_inputs(rank, 3, 32, HIDDEN, seed=6)
+    capacity = dict(**FLEX, moe_hybridep_capacity_factor=1.5)
+    plain = moe_layer(make_config(world, **capacity), experts="grouped")
+    if recompute == "moe":
+        config = make_config(world, **capacity, recompute_granularity="selective", recompute_modules=["moe"])
+        wrap = None
+    else:  # what full recompute does to a transformer layer
+        config = make_config(world, **capacity)
+
+        def wrap(layer, x):
+            return tensor_parallel.checkpoint(lambda h: layer(h)[0], False, x)
+
+    recomputed = moe_layer(config, experts="grouped", seed=9)
+    copy_weights(plain, recomputed)
+    expected = run_steps(plain, inputs)
+    actual = run_steps(recomputed, inputs, wrap=wrap)
+    _assert_same(expected, actual)
+    stats = _manager(recomputed).stats
+    # The calibration forward ran without grad and was replayed blocking; the rest at capacity.
+    assert stats.blocking_dispatches == 2 and stats.non_blocking_dispatches == 2 * (len(inputs) - 1), stats
+
+
+def moe_recompute_same_gradients(rank, world):
+    _recompute_same_gradients(rank, world, "moe")
+
+
+def full_recompute_same_gradients(rank, world):
+    _recompute_same_gradients(rank, world, "full")
+
+
+def reuse_allgather_buffer(rank, world):
+    from megatron_ext.hybridep.buffers import release_buffers
+
+    release_buffers()
+    inputs = step_inputs(rank, 3, 32, HIDDEN, seed=7)
+    fresh = moe_layer(make_config(world, **FLEX), experts="grouped")
+    reused = moe_layer(make_config(world, **FLEX, moe_hybridep_reuse_allgather_buffer=True), experts="grouped")
+    copy_weights(fresh, reused)
+    _assert_same(run_steps(fresh, inputs), run_steps(reused, inputs))
+    fresh_stats = _manager(fresh)._last_buffer.routing_map_gather.stats
+    reused_stats = _manager(reused)._last_buffer.routing_map_gather.stats
+    assert fresh_stats.gathers == fresh_stats.allocations == len(inputs)
+    assert reused_stats.gathers == len(inputs) and reused_stats.allocations == 1
+
+
+CHECKS = (
+    dispatcher_is_ours_with_flags,
+    no_flags_equal_stock_alltoall,
+    capacity_1_0_equals_blocking,
+    capacity_1_5_equals_blocking,
+    capacity_2_0_equals_blocking,
+    too_small_capacity_fails_loudly,
+    equal_token_counts_skip_the_all_reduce,
+    verify_catches_unequal_counts,
+    moe_recompute_same_gradients,
+    full_recompute_same_gradients,
+    reuse_allgather_buffer,
+)
+
+
+def _worker(rank, world_size, out_dir):
+    init_megatron(world_size)
+    import megatron_ext.patches
+
+    megatron_ext.patches.apply()
+    checks = Checks()
+    for check in CHECKS:
+        checks.run(check.__name__, check, rank, world_size)
+    checks.save(out_dir, rank)
+
+
+@pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda w: f"world{w}")
+def results(request, tmp_path_factory):
+    world_size = request.param
+    out_dir = tmp_path_factory.mktemp(f"moe_world{world_size}")
+    run_ranks(world_size, _worker, str(out_dir))
+    return merged_results(out_dir, world_size)
+
+
+@pytest.mark.parametrize("check", [c.__name__ for c in CHECKS])
+def test_moe_layer(results, check):
+    assert_ok(results, check)
