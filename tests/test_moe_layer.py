@@ -224,6 +224,41 @@ def reuse_allgather_buffer(rank, world):
     assert reused_stats.gathers == len(inputs) and reused_stats.allocations == 1
 
 
+def deep_ep_buffer_through_the_same_path(rank, world):
+    """deep_ep's HybridEPBuffer, stood in by a subclass of ours that records its arguments."""
+    import sys
+    import types
+
+    from megatron_ext.hybridep import TorchHybridEPBuffer
+
+    made = []
+
+    class RecordingBuffer(TorchHybridEPBuffer):
+        def __init__(self, **kwargs):
+            made.append(kwargs)
+            super().__init__(**kwargs)
+
+    sys.modules["deep_ep"] = types.SimpleNamespace(HybridEPBuffer=RecordingBuffer)
+    try:
+        # No megatron-ext option and deep_ep importable: Megatron's own manager, untouched (it
+        # then fails as stock Megatron does here, where its fused_a2a found no HybridEP).
+        with pytest.raises(ImportError, match="HybridEP is not installed"):
+            moe_layer(make_config(world, **FLEX))
+        capacity = dict(**FLEX, moe_hybridep_capacity_factor=1.5)
+        ours = moe_layer(make_config(world, **capacity, moe_hybridep_implementation="torch"), experts="grouped")
+        deep_ep = moe_layer(make_config(world, **capacity, moe_hybridep_reuse_allgather_buffer=True), experts="grouped")
+        copy_weights(ours, deep_ep)
+        inputs = step_inputs(rank, 3, 32, HIDDEN, seed=8)
+        _assert_same(run_steps(ours, inputs), run_steps(deep_ep, inputs))
+    finally:
+        del sys.modules["deep_ep"]
+    assert _manager(deep_ep).implementation == "deep_ep" and _manager(ours).implementation == "torch"
+    assert type(_manager(deep_ep)._last_buffer) is RecordingBuffer
+    assert type(_manager(ours)._last_buffer) is TorchHybridEPBuffer
+    # one node, a 32 x 8-byte routing map per rank: deep_ep's persistent all-gather buffer serves
+    assert made[-1]["enable_custom_allgather"] is True, made
+
+
 CHECKS = (
     dispatcher_is_ours_with_flags,
     no_flags_equal_stock_alltoall,
@@ -236,6 +271,7 @@ CHECKS = (
     moe_recompute_same_gradients,
     full_recompute_same_gradients,
     reuse_allgather_buffer,
+    deep_ep_buffer_through_the_same_path,
 )
 
 
