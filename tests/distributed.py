@@ -7,6 +7,7 @@ import os
 import tempfile
 import traceback
 
+import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -39,7 +40,7 @@ class Checks:
         try:
             fn(*args)
             self.results.setdefault(name, "ok")
-        except Exception:  # noqa: BLE001 - recorded and asserted by the parent test
+        except (Exception, pytest.fail.Exception):  # noqa: BLE001 - recorded, asserted by the parent test
             self.results[name] = traceback.format_exc()
 
     def save(self, out_dir, rank):
