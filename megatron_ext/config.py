@@ -6,8 +6,8 @@
 from the parsed arguments. Code that builds its config by hand can instantiate them directly.
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations` here: Megatron's ArgumentGroupFactory turns these
+# annotations into argparse types and needs them evaluated.
 from dataclasses import dataclass, fields
 from typing import Literal, Optional
 

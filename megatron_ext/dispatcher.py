@@ -43,6 +43,9 @@ logger = logging.getLogger("megatron_ext")
 # HybridEP's kernels work on 64-token chunks; Megatron pads uneven inputs to this too.
 TOKEN_ALIGNMENT = 64
 
+# torch's CUDA `_assert_async` refuses messages of 255 characters or more.
+DEVICE_MESSAGE_LIMIT = 255
+
 _layer_counter = itertools.count()
 
 
@@ -66,6 +69,11 @@ class InFlight:
     handle: Any
     num_permuted_tokens: int  # rows the dispatch produced, a host int (its backward reuses it)
     num_tokens: int  # this rank's tokens before padding
+
+
+def device_message(text: str) -> str:
+    """`text` cut to what a CUDA device-side assert carries (fewer than 255 characters)."""
+    return text if len(text) < DEVICE_MESSAGE_LIMIT else text[: DEVICE_MESSAGE_LIMIT - 4] + "..."
 
 
 def in_backward() -> bool:
@@ -136,9 +144,10 @@ class HybridEPCapacityManager:
         self.stats.token_count_all_reduces += 1
         torch._assert_async(
             extremes[0] + extremes[1] == 0,
-            f"megatron-ext: {self.name}: ranks of the expert-parallel group hold different token counts "
-            f"(this rank {num_tokens}), but {flag('moe_hybridep_equal_token_counts')} declares them equal. "
-            "Drop it and use --moe-hybridep-pad-uneven-dispatch-inputs for variable-length batches.",
+            device_message(
+                f"megatron-ext: {self.name}: EP ranks hold different token counts (here {num_tokens}) despite "
+                f"{flag('moe_hybridep_equal_token_counts')}; use --moe-hybridep-pad-uneven-dispatch-inputs instead."
+            ),
         )
 
     # ----------------------------------------------------------- Megatron's manager interface
@@ -244,12 +253,14 @@ class HybridEPCapacityManager:
 
     def _assert_no_overflow(self, handle: Any) -> None:
         overflow = handle[OVERFLOW_FLAG_INDEX]
+        factor = self.options.capacity_factor
         torch._assert_async(
             overflow[0] == 0,
-            f"megatron-ext: {self.name}: a HybridEP dispatch needed more than the layer's capacity of "
-            f"{self.capacity} rows (calibrated at {self.calibrated_rows} rows x "
-            f"{self.options.capacity_factor}); the step was stopped rather than train on truncated "
-            f"tokens. Raise {flag('moe_hybridep_capacity_factor')} above {self.options.capacity_factor}.",
+            device_message(
+                f"megatron-ext: {self.name}: dispatch needed more than its capacity of {self.capacity} rows "
+                f"({self.calibrated_rows} calibrated x {factor}); stopped rather than train on truncated tokens. "
+                f"Raise {flag('moe_hybridep_capacity_factor')} above {factor}."
+            ),
         )
 
 

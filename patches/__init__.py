@@ -116,8 +116,11 @@ def apply(*, dispatcher: bool = True, experts: bool = True, arguments: bool = Tr
     owners = []
     for patch in todo:
         owner_name, attribute = patch.target.rsplit(".", 1)
-        owner = resolve(owner_name)
-        if attribute not in vars(owner):
+        try:
+            owner = resolve(owner_name)
+        except MovedSymbolError:
+            owner = None
+        if owner is None or attribute not in vars(owner):
             raise MovedSymbolError(
                 f"megatron-ext needs `{patch.target}`, which megatron-core {megatron_core_version()} does not "
                 f"define there (supported: >= {'.'.join(map(str, SUPPORTED_MEGATRON_CORE[0]))}, "

@@ -134,6 +134,7 @@ def too_small_capacity_fails_loudly(rank, world):
     message = str(caught.value)
     for part in ("MoE layer 1", "capacity of 4 rows", "--moe-hybridep-capacity-factor", "truncated"):
         assert part in message, message
+    assert len(message) < 255, message  # CUDA's _assert_async refuses longer messages
 
 
 def equal_token_counts_skip_the_all_reduce(rank, world):
@@ -172,8 +173,9 @@ def verify_catches_unequal_counts(rank, world):
     assert calls.calls == 1  # the check's one all-reduce per dispatch
     if world == 1:
         return
-    with pytest.raises(RuntimeError, match="hold different token counts"):
+    with pytest.raises(RuntimeError, match="hold different token counts") as caught:
         run_steps(layer, step_inputs(rank, 1, 30 + rank, HIDDEN, seed=5))
+    assert "--moe-hybridep-pad-uneven-dispatch-inputs" in str(caught.value) and len(str(caught.value)) < 255
 
 
 def _recompute_same_gradients(rank, world, recompute):

@@ -1,0 +1,429 @@
+"""megatron-ext's flags in Megatron's own `parse_args`: with the patch, without it, and in the config.
+
+Megatron is imported once for the module (it is slow to import). Each test that applies the patch
+reverts it, so other test modules in the same process see stock Megatron.
+"""
+
+import re
+import sys
+
+import megatron_ext.patches as patches
+import pytest
+import torch
+
+BASE_ARGV = [
+    "prog",
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "64",
+    "--num-attention-heads",
+    "4",
+    "--num-experts",
+    "8",
+    "--moe-token-dispatcher-type",
+    "flex",
+    "--moe-flex-dispatcher-backend",
+    "hybridep",
+]
+ALL_FLAGS = [
+    "--moe-hybridep-capacity-factor",
+    "1.5",
+    "--moe-hybridep-equal-token-counts",
+    "--moe-hybridep-reuse-allgather-buffer",
+    "--moe-hybridep-implementation",
+    "torch",
+    "--moe-hybridep-verify-equal-token-counts",
+]
+ALL_VALUES = {
+    "moe_hybridep_capacity_factor": 1.5,
+    "moe_hybridep_equal_token_counts": True,
+    "moe_hybridep_verify_equal_token_counts": True,
+    "moe_hybridep_reuse_allgather_buffer": True,
+    "moe_hybridep_implementation": "torch",
+}
+DEFAULTS = {
+    "moe_hybridep_capacity_factor": None,
+    "moe_hybridep_equal_token_counts": False,
+    "moe_hybridep_verify_equal_token_counts": False,
+    "moe_hybridep_reuse_allgather_buffer": False,
+    "moe_hybridep_implementation": "auto",
+}
+# A phrase of each field's docstring, which is its --help text.
+HELP_PHRASES = {
+    "--moe-hybridep-capacity-factor": "calibration dispatch",
+    "--moe-hybridep-equal-token-counts": "same number of tokens",
+    "--moe-hybridep-verify-equal-token-counts": "fail loudly",
+    "--moe-hybridep-reuse-allgather-buffer": "one buffer per process group",
+    "--moe-hybridep-implementation": "implementation on torch.distributed",
+}
+TINY = dict(num_layers=1, hidden_size=16, num_attention_heads=1, num_moe_experts=4)
+HYBRIDEP = dict(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="hybridep")
+
+
+@pytest.fixture(scope="module")
+def megatron_arguments():
+    """`megatron.training.arguments`, imported once, with nothing patched."""
+    patches.revert()
+    import megatron.training.arguments as arguments
+
+    yield arguments
+    patches.revert()
+
+
+@pytest.fixture(autouse=True)
+def nothing_left_patched():
+    yield
+    patches.revert()
+    assert patches.applied() == ()
+
+
+@pytest.fixture
+def patched(megatron_arguments):
+    """The patch applied for one test."""
+    patches.apply()
+    yield megatron_arguments
+    patches.revert()
+
+
+@pytest.fixture
+def unpatched(megatron_arguments):
+    """Stock Megatron, checked."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    patches.revert()
+    assert patches.applied() == ()
+    assert megatron_arguments.TransformerConfig is TransformerConfig
+    assert not hasattr(megatron_arguments.add_megatron_arguments, "__wrapped__")
+    return megatron_arguments
+
+
+def parse(arguments, monkeypatch, *extra, provider=None):
+    monkeypatch.setattr(sys, "argv", [*BASE_ARGV, *extra])
+    return arguments.parse_args(extra_args_provider=provider)
+
+
+def parse_error(arguments, monkeypatch, capsys, *extra, provider=None):
+    """stderr of a parse that must stop with argparse's usage error (exit status 2)."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exc:
+        parse(arguments, monkeypatch, *extra, provider=provider)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "prog: error:" in err
+    return err
+
+
+def escape_stray_percent(parser):
+    """An extra_args_provider that lets `--help` print at all with megatron-core 0.19.2.
+
+    A docstring of Megatron's own TransformerConfig (moe_paged_stash_buffer_size_factor_cuda:
+    "... = 10%).") becomes argparse help with a bare '%', so stock `parse_args` crashes on
+    `--help` with "ValueError: unsupported format character". Escape such '%'s, but never in
+    megatron-ext's own help, which must print as it is.
+    """
+    from megatron_ext.config import FIELD_NAMES
+
+    for action in parser._actions:
+        if not isinstance(action.help, str):
+            continue
+        escaped = re.sub(r"%%|%\(|%", lambda m: m.group(0) if len(m.group(0)) == 2 else "%%", action.help)
+        if escaped != action.help:
+            assert action.dest not in FIELD_NAMES, f"megatron-ext's help for {action.dest} has a bare '%'"
+            action.help = escaped
+    return parser
+
+
+def print_help(arguments, monkeypatch, capsys, provider):
+    """`--help` output, whitespace normalised; the parse must exit with status 0."""
+    monkeypatch.setenv("COLUMNS", "10000")  # no wrapping inside flag names or phrases
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exc:
+        parse(arguments, monkeypatch, "--help", provider=provider)
+    assert exc.value.code == 0
+    return " ".join(capsys.readouterr().out.split())
+
+
+def hybridep_values(namespace_or_config):
+    return {name: getattr(namespace_or_config, name) for name in DEFAULTS}
+
+
+def test_field_names():
+    from megatron_ext.config import FIELD_NAMES
+
+    assert FIELD_NAMES == (
+        "moe_hybridep_capacity_factor",
+        "moe_hybridep_equal_token_counts",
+        "moe_hybridep_verify_equal_token_counts",
+        "moe_hybridep_reuse_allgather_buffer",
+        "moe_hybridep_implementation",
+    )
+
+
+# --- with the patch --------------------------------------------------------------------------
+
+
+def test_patched_parse_args_accepts_the_flags(patched, monkeypatch):
+    args = parse(patched, monkeypatch, *ALL_FLAGS)
+    assert hybridep_values(args) == ALL_VALUES
+    assert isinstance(args.moe_hybridep_capacity_factor, float)
+
+
+def test_patched_parse_args_defaults(patched, monkeypatch):
+    args = parse(patched, monkeypatch)
+    assert hybridep_values(args) == DEFAULTS
+
+
+def test_patched_config_from_args_carries_the_values(patched, monkeypatch):
+    from megatron.training.arguments import core_transformer_config_from_args
+
+    from megatron_ext.config import HybridEPTransformerConfig
+
+    args = parse(patched, monkeypatch, *ALL_FLAGS, "--no-rope-fusion")
+    args.params_dtype = torch.float32  # set by validate_args in a real launch
+
+    config = core_transformer_config_from_args(args)
+
+    assert type(config) is HybridEPTransformerConfig
+    assert hybridep_values(config) == ALL_VALUES
+    assert config.num_moe_experts == 8 and config.moe_token_dispatcher_type == "flex"
+
+
+def test_patched_config_from_args_after_validate_args(patched, monkeypatch):
+    from megatron.training.arguments import core_transformer_config_from_args, validate_args
+
+    from megatron_ext.config import HybridEPTransformerConfig
+
+    args = parse(
+        patched,
+        monkeypatch,
+        *ALL_FLAGS,
+        "--no-rope-fusion",
+        "--micro-batch-size",
+        "1",
+        "--seq-length",
+        "32",
+        "--max-position-embeddings",
+        "32",
+    )
+    validate_args(args)
+
+    config = core_transformer_config_from_args(args)
+
+    assert type(config) is HybridEPTransformerConfig
+    assert hybridep_values(config) == ALL_VALUES
+
+
+def test_patched_config_from_args_defaults(patched, monkeypatch):
+    from megatron.training.arguments import core_transformer_config_from_args
+
+    args = parse(patched, monkeypatch, "--no-rope-fusion")
+    args.params_dtype = torch.float32
+
+    config = core_transformer_config_from_args(args)
+
+    assert hybridep_values(config) == DEFAULTS
+
+
+def test_patched_help_lists_flags_and_docstrings(patched, monkeypatch, capsys):
+    out = print_help(patched, monkeypatch, capsys, escape_stray_percent)
+
+    for flag_name, phrase in HELP_PHRASES.items():
+        assert flag_name in out
+        assert phrase in out, f"help for {flag_name} lacks {phrase!r}"
+    assert "{auto,deep_ep,torch}" in out
+
+
+@pytest.mark.parametrize(
+    "extra, expected",
+    [
+        (
+            ["--moe-hybridep-capacity-factor", "0.8"],
+            ["--moe-hybridep-capacity-factor 0.8 would drop tokens", ">= 1.0"],
+        ),
+        (
+            ["--moe-hybridep-capacity-factor", "1.5", "--moe-token-dispatcher-type", "alltoall"],
+            [
+                "--moe-hybridep-capacity-factor",
+                "got --moe-token-dispatcher-type alltoall",
+                "Set --moe-token-dispatcher-type flex --moe-flex-dispatcher-backend hybridep",
+            ],
+        ),
+        (
+            ["--moe-hybridep-equal-token-counts", "--moe-flex-dispatcher-backend", "deepep"],
+            ["--moe-hybridep-equal-token-counts", "--moe-flex-dispatcher-backend hybridep"],
+        ),
+        (
+            # Megatron's own parse accepts this flag (its requirements are checked when the config
+            # is built), so megatron-ext's check is the one that refuses the combination.
+            ["--moe-hybridep-capacity-factor", "1.5", "--moe-expert-rank-capacity-factor", "1.2"],
+            ["--moe-hybridep-capacity-factor and --moe-expert-rank-capacity-factor", "use one"],
+        ),
+        (
+            ["--moe-hybridep-capacity-factor", "1.5", "--moe-expert-capacity-factor", "1.0"]
+            + ["--moe-pad-expert-input-to-capacity"],
+            ["--moe-hybridep-capacity-factor cannot be combined with --moe-pad-expert-input-to-capacity"],
+        ),
+        (
+            ["--moe-hybridep-equal-token-counts", "--moe-hybridep-pad-uneven-dispatch-inputs"],
+            ["--moe-hybridep-equal-token-counts", "--moe-hybridep-pad-uneven-dispatch-inputs", "Use one"],
+        ),
+        (
+            ["--moe-hybridep-verify-equal-token-counts"],
+            ["--moe-hybridep-verify-equal-token-counts", "--moe-hybridep-equal-token-counts", "set that flag too"],
+        ),
+    ],
+    ids=[
+        "factor-below-1",
+        "factor-alltoall",
+        "equal-deepep-backend",
+        "factor-and-expert-rank-factor",
+        "factor-and-pad-to-capacity",
+        "equal-and-pad-uneven",
+        "verify-without-equal",
+    ],
+)
+def test_patched_parse_args_refuses_invalid_combinations(patched, monkeypatch, capsys, extra, expected):
+    err = parse_error(patched, monkeypatch, capsys, *extra)
+    for text in expected:
+        assert text in err, f"{text!r} not in {err[-600:]!r}"
+
+
+def test_patched_parse_args_refuses_deep_ep_when_it_does_not_import(patched, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "deep_ep", None)  # `import deep_ep` now raises ImportError
+
+    err = parse_error(patched, monkeypatch, capsys, "--moe-hybridep-implementation", "deep_ep")
+
+    assert "--moe-hybridep-implementation deep_ep" in err
+    assert "deep_ep's HybridEPBuffer does not import" in err
+    assert "--moe-hybridep-implementation torch" in err
+
+
+def test_patched_parse_args_refuses_unknown_implementation(patched, monkeypatch, capsys):
+    err = parse_error(patched, monkeypatch, capsys, "--moe-hybridep-implementation", "foo")
+
+    assert "--moe-hybridep-implementation" in err
+    assert "invalid choice: 'foo'" in err
+
+
+def test_patched_parse_args_refuses_a_non_number_factor(patched, monkeypatch, capsys):
+    err = parse_error(patched, monkeypatch, capsys, "--moe-hybridep-capacity-factor", "lots")
+
+    assert "--moe-hybridep-capacity-factor" in err
+
+
+def test_patched_parse_args_refuses_a_non_finite_factor(patched, monkeypatch, capsys):
+    err = parse_error(patched, monkeypatch, capsys, "--moe-hybridep-capacity-factor", "inf")
+
+    assert "--moe-hybridep-capacity-factor must be a finite number >= 1.0" in err
+
+
+# --- without the patch -----------------------------------------------------------------------
+
+
+def test_unpatched_parse_args_rejects_the_flags(unpatched, monkeypatch, capsys):
+    err = parse_error(unpatched, monkeypatch, capsys, "--moe-hybridep-capacity-factor", "1.5")
+
+    assert "unrecognized arguments: --moe-hybridep-capacity-factor 1.5" in err
+
+
+def test_extra_args_provider_accepts_the_flags(unpatched, monkeypatch):
+    from megatron_ext.arguments import extra_args_provider
+
+    args = parse(unpatched, monkeypatch, *ALL_FLAGS, provider=extra_args_provider)
+    assert hybridep_values(args) == ALL_VALUES
+
+    args = parse(unpatched, monkeypatch, provider=extra_args_provider)
+    assert hybridep_values(args) == DEFAULTS
+
+
+def test_extra_args_provider_help(unpatched, monkeypatch, capsys):
+    from megatron_ext.arguments import GROUP_TITLE, extra_args_provider
+
+    out = print_help(unpatched, monkeypatch, capsys, lambda parser: escape_stray_percent(extra_args_provider(parser)))
+
+    assert GROUP_TITLE in out
+    for flag_name, phrase in HELP_PHRASES.items():
+        assert flag_name in out
+        assert phrase in out, f"help for {flag_name} lacks {phrase!r}"
+
+
+@pytest.mark.parametrize(
+    "extra, expected",
+    [
+        (["--moe-hybridep-capacity-factor", "0.8"], ["would drop tokens", ">= 1.0"]),
+        (["--moe-hybridep-verify-equal-token-counts"], ["set that flag too"]),
+        (["--moe-hybridep-reuse-allgather-buffer", "--moe-token-dispatcher-type", "alltoall"], ["flex"]),
+    ],
+    ids=["factor-below-1", "verify-without-equal", "reuse-alltoall"],
+)
+def test_extra_args_provider_refuses_invalid_combinations(unpatched, monkeypatch, capsys, extra, expected):
+    from megatron_ext.arguments import extra_args_provider
+
+    err = parse_error(unpatched, monkeypatch, capsys, *extra, provider=extra_args_provider)
+    for text in expected:
+        assert text in err
+
+
+def test_patch_and_extra_args_provider_together(patched, monkeypatch, capsys):
+    from megatron_ext.arguments import extra_args_provider
+
+    # Adding the flags a second time would raise argparse.ArgumentError (conflicting option string).
+    args = parse(patched, monkeypatch, *ALL_FLAGS, provider=extra_args_provider)
+    assert hybridep_values(args) == ALL_VALUES
+
+    err = parse_error(
+        patched, monkeypatch, capsys, "--moe-hybridep-capacity-factor", "0.8", provider=extra_args_provider
+    )
+    assert "would drop tokens" in err
+    assert err.count("prog: error:") == 1
+
+
+def test_install_validation_is_idempotent():
+    import argparse
+
+    from megatron_ext.arguments import install_validation
+
+    parser = argparse.ArgumentParser()
+    assert install_validation(parser) is parser
+    wrapped = parser.parse_known_args
+    assert install_validation(parser) is parser
+    assert parser.parse_known_args is wrapped
+
+
+# --- the config built in Python --------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (dict(HYBRIDEP, moe_hybridep_capacity_factor=0.8), "--moe-hybridep-capacity-factor 0.8 would drop tokens"),
+        (dict(moe_hybridep_capacity_factor=1.5), "Set --moe-token-dispatcher-type flex --moe-flex-dispatcher-backend"),
+        (dict(HYBRIDEP, moe_hybridep_verify_equal_token_counts=True), "set that flag too"),
+        (
+            dict(HYBRIDEP, moe_hybridep_equal_token_counts=True, moe_hybridep_pad_uneven_dispatch_inputs=True),
+            "--moe-hybridep-pad-uneven-dispatch-inputs",
+        ),
+        (dict(HYBRIDEP, moe_hybridep_implementation="foo"), "'foo' is not one of auto, deep_ep, torch"),
+    ],
+    ids=["factor-below-1", "factor-default-dispatcher", "verify-without-equal", "equal-and-pad-uneven", "foo"],
+)
+def test_config_refuses_invalid_combinations(bad, message):
+    from megatron_ext.config import HybridEPTransformerConfig
+    from megatron_ext.options import HybridEPConfigError
+
+    assert issubclass(HybridEPConfigError, ValueError)
+    with pytest.raises(ValueError) as err:
+        HybridEPTransformerConfig(**TINY, **bad)
+    assert type(err.value) is HybridEPConfigError
+    assert message in str(err.value)
+
+
+def test_config_keeps_valid_values():
+    from megatron_ext.config import HybridEPTransformerConfig
+
+    config = HybridEPTransformerConfig(**TINY, **HYBRIDEP, **ALL_VALUES)
+    assert hybridep_values(config) == ALL_VALUES
+
+    stock = HybridEPTransformerConfig(**TINY)
+    assert hybridep_values(stock) == DEFAULTS
