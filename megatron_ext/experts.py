@@ -1,0 +1,253 @@
+"""MoE experts for capacity-mode dispatch: two grouped GEMMs, no host synchronisation.
+
+`GroupedMLP` takes the place of Megatron's `TEGroupedMLP` (`MoESubmodules(experts=GroupedMLP)`)
+when the dispatcher hands over a fixed number of rows P (a capacity) of which only the first
+sum(tokens_per_expert) are real. The counts stay on the device: the expert boundaries go to
+`torch.nn.functional.grouped_mm` as device offsets, and the rows past them are masked to zero,
+forward and backward, instead of being cut off on the host.
+
+Parameters live as one stacked tensor per linear ([L, out, in]), so the GEMMs read them without a
+per-step copy; `state_dict()` presents them as TE GroupedLinear's per-expert `weight{i}`/`bias{i}`
+(plus its empty `_extra_state`) so checkpoints carry over to and from `TEGroupedMLP`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from megatron.core.dist_checkpointing.mapping import ShardedTensor
+from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, get_expert_parallel_rng_tracker_name
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.utils import make_sharded_object_for_checkpoint
+from megatron.core.utils import get_pg_rank, get_pg_size
+
+
+def _refuse(flag: str, problem: str, fix: str) -> ValueError:
+    return ValueError(f"megatron_ext GroupedMLP does not support {problem} (`{flag}`); {fix}.")
+
+
+class _ExpertLinear(torch.nn.Module):
+    """The weights of one linear for all L local experts: `weight` [L, out, in], `bias` [L, out].
+
+    Its state dict reads like TE GroupedLinear's: `weight0, bias0, weight1, ..., _extra_state`.
+    """
+
+    def __init__(self, num_experts: int, in_features: int, out_features: int, *, bias: bool, init_method, config):
+        super().__init__()
+        self.num_experts = num_experts
+        device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
+        kw = dict(device=device, dtype=config.params_dtype)
+        self.weight = torch.nn.Parameter(torch.empty(num_experts, out_features, in_features, **kw))
+        self.bias = torch.nn.Parameter(torch.zeros(num_experts, out_features, **kw)) if bias else None  # TE: zeros
+        if config.perform_initialization:
+            # Like TE's experts: on GPU, draw from the expert-parallel RNG stream so EP ranks differ.
+            tracker = get_cuda_rng_tracker()
+            fork = not config.use_cpu_initialization and tracker.is_initialized()
+            with tracker.fork(get_expert_parallel_rng_tracker_name()) if fork else contextlib.nullcontext():
+                for expert_weight in self.weight.data:  # per expert, as TE initialises weight{i}
+                    init_method(expert_weight)
+        self.register_state_dict_post_hook(_split_per_expert)
+        self.register_load_state_dict_pre_hook(_stack_per_expert)
+
+    def get_extra_state(self) -> torch.Tensor:
+        return torch.empty(0, dtype=torch.uint8)  # what TE saves when no fp8 state is kept
+
+    def set_extra_state(self, state) -> None:
+        """Accept and ignore TE's extra state: fp8 scaling history, meaningless here."""
+
+
+def _split_per_expert(module: _ExpertLinear, state_dict: dict, prefix: str, local_metadata) -> None:
+    # Pop this module's own entries (the last ones written) and re-add them in TE's order.
+    weight = state_dict.pop(prefix + "weight")
+    bias = state_dict.pop(prefix + "bias", None)
+    extra = state_dict.pop(prefix + "_extra_state")
+    for i in range(module.num_experts):
+        state_dict[f"{prefix}weight{i}"] = weight[i]
+        if bias is not None:
+            state_dict[f"{prefix}bias{i}"] = bias[i]
+    state_dict[prefix + "_extra_state"] = extra
+
+
+def _stack_per_expert(module: _ExpertLinear, state_dict: dict, prefix: str, *_) -> None:
+    for name in ("weight", "bias"):
+        keys = [f"{prefix}{name}{i}" for i in range(module.num_experts)]
+        if all(k in state_dict for k in keys):  # else leave them: load_state_dict reports what is amiss
+            state_dict[prefix + name] = torch.stack([state_dict.pop(k) for k in keys])
+    for i in range(1, module.num_experts):  # dist-checkpoint form of TE's per-expert extra state
+        state_dict.pop(f"{prefix}_extra_state{i}", None)
+
+
+class GroupedMLP(MegatronModule):
+    """The L local experts of one MoE layer, as two grouped GEMMs over device-side expert offsets.
+
+    Args:
+        num_local_experts: L.
+        config: the TransformerConfig; refused settings raise ValueError naming the flag.
+        submodules: ignored (accepted so that `MoESubmodules(experts=GroupedMLP)` works).
+        pg_collection: needs `ep` and `expt_tp` (and `expt_dp` for `sharded_state_dict`);
+            None takes Megatron's default MoE process groups.
+        name: ignored.
+    """
+
+    def __init__(
+        self, num_local_experts: int, config: TransformerConfig, submodules=None, pg_collection=None, name=None
+    ):
+        super().__init__(config=config)
+        pg_collection = get_default_pg_collection() if pg_collection is None else pg_collection
+        self.ep_group, self.tp_group = pg_collection.ep, pg_collection.expt_tp
+        self.expt_dp_group = getattr(pg_collection, "expt_dp", None)
+        self.num_local_experts = num_local_experts
+        self._check_config(config, get_pg_size(self.tp_group))
+        ffn = config.moe_ffn_hidden_size
+        bias = config.add_bias_linear
+        fc1_out = 2 * ffn if config.gated_linear_unit else ffn
+        self.linear_fc1 = _ExpertLinear(
+            num_local_experts, config.hidden_size, fc1_out, bias=bias, init_method=config.init_method, config=config
+        )
+        self.linear_fc2 = _ExpertLinear(
+            num_local_experts,
+            ffn,
+            config.hidden_size,
+            bias=bias,
+            init_method=config.output_layer_init_method,
+            config=config,
+        )
+        # Expert parameters as Megatron's expert linears mark them: allreduce=False sends their
+        # gradients over the expert-data-parallel group (layers.py / TE's use_expert_pgs), and the
+        # TP attributes TE sets on column (fc1) / row (fc2) expert linears, shifted by the expert axis.
+        use_expert_pgs = config.expert_model_parallel_size > 1 or (
+            config.expert_tensor_parallel_size != config.tensor_model_parallel_size
+        )
+        for linear, dim in ((self.linear_fc1, 1), (self.linear_fc2, 2)):
+            for pname, param in linear.named_parameters():
+                param.allreduce = not use_expert_pgs
+                param.tensor_model_parallel = pname == "weight" or linear is self.linear_fc1
+                if param.tensor_model_parallel:
+                    param.partition_dim, param.partition_stride = (dim if pname == "weight" else 1), 1
+
+    @staticmethod
+    def _check_config(config: TransformerConfig, expt_tp_size: int) -> None:
+        if config.expert_tensor_parallel_size != 1 or expt_tp_size != 1:
+            raise _refuse("--expert-tensor-parallel-size", "expert tensor parallelism", "set it to 1")
+        if getattr(config, "expert_gtp_weight_remat_size", 1) != 1:
+            raise _refuse("--expert-tensor-parallel-num-weight-shards", "sharded expert weights", "leave it unset")
+        if config.moe_mlp_glu_interleave_size is not None:
+            raise _refuse("--moe-mlp-glu-interleave-size", "interleaved GLU weights", "leave it unset")
+        if config.moe_latent_size is not None:
+            raise _refuse("--moe-latent-size", "latent expert projections", "leave it unset")
+        if config.fp8 or config.fp4:
+            raise _refuse("--fp8-format / --fp4-format", "fp8/fp4 experts", "train the experts in bf16")
+        if config.moe_apply_probs_on_input:
+            raise _refuse("--moe-apply-probs-on-input", "probs applied on the input", "leave it off")
+        if config.delay_wgrad_compute or config.overlap_dispatch_backward_with_experts_wgrad:
+            raise _refuse(
+                "--delay-wgrad-compute / --overlap-dispatch-backward-with-experts-wgrad",
+                "deferred weight gradients (they are computed in the ordinary backward)",
+                "leave both off",
+            )
+        # grouped_mm needs 16-byte row strides in its operands: x [P, H], the fc2 input [P, F] and
+        # the transposed weights, whose row strides are H and F elements.
+        per_16_bytes = 16 // torch.empty(0, dtype=config.params_dtype).element_size()
+        for flag, size in (
+            ("--hidden-size", config.hidden_size),
+            ("--moe-ffn-hidden-size", config.moe_ffn_hidden_size),
+        ):
+            if size % per_16_bytes:
+                raise _refuse(
+                    flag,
+                    f"a size of {size}: grouped_mm needs rows of a multiple of 16 bytes",
+                    f"use a multiple of {per_16_bytes} for {config.params_dtype}",
+                )
+
+    def forward(
+        self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor, permuted_probs: torch.Tensor
+    ) -> tuple[torch.Tensor, None]:
+        """Run the experts over the rows of each expert; rows past sum(tokens_per_expert) give zeros.
+
+        Args:
+            permuted_local_hidden_states: [P, H], params dtype; rows grouped by local expert in
+                order, then padding (any values, NaN included: they contribute nothing).
+            tokens_per_expert: [L] integer counts, on the device (never read on the host);
+                a sum above P is clamped to P.
+            permuted_probs: [P] float32 router probs of the rows.
+
+        Returns:
+            (output [P, H] in the input dtype with the padding rows exactly zero, None).
+        """
+        x, cfg = permuted_local_hidden_states, self.config
+        rows, dtype = x.shape[0], x.dtype
+        # Expert boundaries as grouped_mm wants them: inclusive cumulative counts, int32, on the
+        # device; clamped to P so that bad counts can never make it read past the rows it has.
+        offsets = torch.cumsum(tokens_per_expert.to(x.device), 0).clamp(max=rows).to(torch.int32)
+        row_ids = torch.arange(rows, device=x.device, dtype=torch.int32)
+        real = (row_ids < offsets[-1]).unsqueeze(-1)  # [P, 1]
+        # grouped_mm leaves rows past offsets[-1] uninitialised and returns garbage gradients for
+        # them: zero the inputs there (their gradients go through where(), hence exactly zero) ...
+        x = torch.where(real, x, 0)
+        probs = torch.where(real, permuted_probs.unsqueeze(-1), 0)
+        if self.linear_fc1.bias is not None:
+            # Each row's expert; padding rows get L and gather an appended zero row, so that their
+            # garbage gradients land in that row and are dropped.
+            expert = torch.bucketize(row_ids, offsets, right=True)
+        h = F.grouped_mm(x, self.linear_fc1.weight.transpose(1, 2), offs=offsets)
+        if self.linear_fc1.bias is not None:
+            h = h + F.pad(self.linear_fc1.bias, (0, 0, 0, 1))[expert]
+        if cfg.gated_linear_unit:
+            gate, linear = torch.chunk(h, 2, dim=-1)
+            if (clamp := cfg.activation_func_clamp_value) is not None:
+                gate, linear = gate.clamp(max=clamp), linear.clamp(min=-clamp, max=clamp)
+            if cfg.glu_linear_offset:
+                linear = linear + cfg.glu_linear_offset
+            h = cfg.activation_func(gate) * linear
+        else:
+            h = cfg.activation_func(h)
+        # As TEGroupedMLP's unfused path: weigh by the float32 probs, then back to the input dtype.
+        h = (h * probs).to(dtype)
+        out = F.grouped_mm(h, self.linear_fc2.weight.transpose(1, 2), offs=offsets)
+        if self.linear_fc2.bias is not None:  # TEGroupedMLP adds the fc2 bias weighted by the probs
+            out = (out + F.pad(self.linear_fc2.bias, (0, 0, 0, 1))[expert] * probs).to(dtype)
+        # ... and the outputs there, which grouped_mm did not write.
+        return torch.where(real, out, 0), None
+
+    def backward_dw(self) -> None:
+        """Nothing to do: weight gradients are computed in the ordinary backward."""
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
+        """Distributed-checkpoint entries in TEGroupedMLP's global layout.
+
+        Each stacked parameter is one ShardedTensor: rows [r*L, (r+1)*L) of the global
+        [num_experts, ...] tensor `{prefix}experts.linear_fcN.weight` that TEGroupedMLP and
+        SequentialMLP write one expert at a time, so the checkpoints are interchangeable (the
+        GLU halves TEGroupedMLP saves as two chunks are the same global rows). Per-expert
+        `_extra_state` objects are written as TE writes them without fp8.
+        """
+        if (metadata or {}).get("singleton_local_shards"):
+            raise NotImplementedError("GroupedMLP.sharded_state_dict: singleton_local_shards is not supported.")
+        if self.expt_dp_group is None:
+            raise ValueError("GroupedMLP.sharded_state_dict needs pg_collection.expt_dp (expert data parallel group).")
+        ep_axis, ep_rank, ep_size = len(sharded_offsets), get_pg_rank(self.ep_group), get_pg_size(self.ep_group)
+        L = self.num_local_experts
+        # The writer of each shard: one per expert-data-parallel group (as TE's grouped linears).
+        replica_id = (0, get_pg_rank(self.tp_group), get_pg_rank(self.expt_dp_group))
+        entries = {}
+        for name in ("linear_fc1", "linear_fc2"):
+            linear, key = getattr(self, name), f"{prefix}experts.{name}."
+            for pname, param in linear.named_parameters():
+                entries[f"{prefix}{name}.{pname}"] = ShardedTensor.from_rank_offsets(
+                    key + pname,
+                    param,
+                    *sharded_offsets,
+                    (ep_axis, ep_rank, ep_size),
+                    replica_id=replica_id,
+                    prepend_axis_num=ep_axis,
+                )
+            for i in range(L):
+                offsets = (*sharded_offsets, (ep_axis, ep_rank * L + i, ep_size * L))
+                entries[f"{prefix}{name}._extra_state{i or ''}"] = make_sharded_object_for_checkpoint(
+                    linear.get_extra_state(), key + "_extra_state", offsets, replica_id=replica_id
+                )
+        return entries

@@ -1,0 +1,395 @@
+"""GroupedMLP (megatron_ext.experts) against a float64 per-expert reference, in one process.
+
+The reference reads the weights from the module's state dict (TEGroupedMLP's per-expert keys), so
+it knows nothing of the stacked layout inside. The inputs carry padding rows past
+sum(tokens_per_expert) filled with NaN and 1e30: they must give exact zeros and never leak.
+CPU throughout; the `gpu`-marked cases repeat them on CUDA and add a torch_dist checkpoint test.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_ext.experts import GroupedMLP
+from megatron_ext.sync import forbid_host_sync
+
+L, H, FFN = 4, 16, 24
+COUNTS = [5, 0, 7, 3]  # an empty expert in the middle
+PAD = 9
+
+
+@pytest.fixture(scope="module")
+def pg(tmp_path_factory):
+    init = tmp_path_factory.mktemp("pg") / "init"
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=0, world_size=1)
+    groups = ProcessGroupCollection()
+    groups.ep = groups.expt_tp = groups.expt_dp = dist.group.WORLD
+    yield groups
+    dist.destroy_process_group()
+
+
+def _config(dtype=torch.float32, gated=True, bias=False, **overrides) -> TransformerConfig:
+    cfg = TransformerConfig(
+        num_layers=1,
+        hidden_size=H,
+        num_attention_heads=1,
+        num_moe_experts=L,
+        moe_ffn_hidden_size=FFN,
+        use_cpu_initialization=True,
+        params_dtype=dtype,
+        gated_linear_unit=gated,
+        activation_func=F.silu if gated else F.gelu,
+        add_bias_linear=bias,
+    )
+    for name, value in overrides.items():  # set after validation: some are refused only by us
+        setattr(cfg, name, value)
+    return cfg
+
+
+def _experts(pg, seed=0, device="cpu", **cfg) -> GroupedMLP:
+    """A GroupedMLP whose weights and biases (std 0.3, so the GEMMs matter) came in by its state dict."""
+    module = GroupedMLP(L, _config(use_cpu_initialization=device == "cpu", **cfg), pg_collection=pg)
+    assert module.linear_fc1.weight.device.type == device
+    gen = torch.Generator().manual_seed(seed)
+    state = {
+        k: (v if k.endswith("_extra_state") else (0.3 * torch.randn(v.shape, generator=gen)).to(v.dtype))
+        for k, v in module.state_dict().items()
+    }
+    module.load_state_dict(state)
+    return module
+
+
+def _inputs(dtype, counts=COUNTS, pad=PAD, seed=1, device="cpu"):
+    """x [P, H], counts [L] int64, probs [P] float32, on `device`; the pad rows hold NaN and 1e30."""
+    gen = torch.Generator().manual_seed(seed)
+    real = sum(counts)
+    x = torch.randn(real + pad, H, generator=gen).to(dtype)
+    probs = torch.rand(real + pad, generator=gen)
+    x[real::2], x[real + 1 :: 2], probs[real:] = float("nan"), 1e30, float("nan")
+    return x.to(device), torch.tensor(counts, device=device), probs.to(device)
+
+
+def _reference(params, cfg, x, counts, probs):
+    """What TEGroupedMLP computes, one expert at a time, for the real rows of x (a [sum, H] tensor)."""
+    out, start = [], 0
+    for e, n in enumerate(counts.tolist()):
+        rows, p = x[start : start + n], probs[start : start + n, None]
+        h = rows @ params[f"linear_fc1.weight{e}"].T
+        if cfg.add_bias_linear:
+            h = h + params[f"linear_fc1.bias{e}"]
+        if cfg.gated_linear_unit:
+            gate, linear = h.chunk(2, dim=-1)
+            if (c := cfg.activation_func_clamp_value) is not None:
+                gate, linear = gate.clamp(max=c), linear.clamp(min=-c, max=c)
+            h = cfg.activation_func(gate) * (linear + cfg.glu_linear_offset)
+        else:
+            h = cfg.activation_func(h)
+        y = (h * p) @ params[f"linear_fc2.weight{e}"].T
+        if cfg.add_bias_linear:
+            y = y + params[f"linear_fc2.bias{e}"] * p
+        out.append(y)
+        start += n
+    return torch.cat(out)
+
+
+def _output_grad(x, real, seed=2):
+    """A random gradient for the output, NaN on the pad rows (which must not matter)."""
+    grad = torch.randn(x.shape, generator=torch.Generator().manual_seed(seed)).to(x)
+    grad[real:] = float("nan")
+    return grad
+
+
+def _run(module, x, counts, probs, grad):
+    """Forward, then backward of `grad`; returns the output, grad, and the input and probs gradients."""
+    x, probs = x.clone().requires_grad_(), probs.clone().requires_grad_()
+    module.zero_grad(set_to_none=True)
+    out, bias = module(x, counts, probs)
+    assert bias is None and out.shape == x.shape and out.dtype == x.dtype
+    out.backward(grad)
+    return out.detach(), grad, x.grad, probs.grad
+
+
+def _grads_per_expert(module):
+    """The module's parameter gradients under their state-dict names (weight{i} / bias{i})."""
+    grads = {}
+    for linear in ("linear_fc1", "linear_fc2"):
+        for pname, param in getattr(module, linear).named_parameters():
+            for i in range(L):
+                grads[f"{linear}.{pname}{i}"] = param.grad[i]
+    return grads
+
+
+CASES = [
+    pytest.param(dict(dtype=torch.float32, gated=True), id="fp32-swiglu"),
+    pytest.param(dict(dtype=torch.float32, gated=False), id="fp32-gelu"),
+    pytest.param(dict(dtype=torch.float32, gated=True, bias=True), id="fp32-swiglu-bias"),
+    pytest.param(
+        dict(dtype=torch.float32, gated=True, activation_func_clamp_value=0.5, glu_linear_offset=1.0),
+        id="fp32-swiglu-clamp-offset",
+    ),
+    pytest.param(dict(dtype=torch.bfloat16, gated=True), id="bf16-swiglu"),
+    pytest.param(dict(dtype=torch.bfloat16, gated=False, bias=True), id="bf16-gelu-bias"),
+]
+
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def _tolerance(dtype):
+    return dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("cfg", CASES)
+@pytest.mark.parametrize("counts", [COUNTS, [0, 0, 0, 0], [6, 1, 0, 4]], ids=["gap", "all-empty", "tail-empty"])
+def test_forward_and_backward_match_reference(pg, cfg, counts, device):
+    module = _experts(pg, device=device, **cfg)
+    x, counts, probs = _inputs(cfg["dtype"], counts, device=device)
+    real = int(counts.sum())
+    out, grad, x_grad, probs_grad = _run(module, x, counts, probs, _output_grad(x, real))
+
+    # Forward: the real rows as the float64 reference, the pad rows exactly zero, no NaN anywhere.
+    params = {
+        k: v.detach().double().requires_grad_() for k, v in module.state_dict().items() if "_extra_state" not in k
+    }
+    ref_x, ref_probs = x[:real].double().requires_grad_(), probs[:real].double().requires_grad_()
+    ref = _reference(params, module.config, ref_x, counts, ref_probs)
+    tol = _tolerance(cfg["dtype"])
+    torch.testing.assert_close(out[:real].double(), ref.detach(), **tol)
+    assert torch.equal(out[real:], torch.zeros_like(out[real:]))
+    assert not out.isnan().any()
+
+    # Backward: x, probs and every weight as the reference's autograd; the pad rows' gradients zero.
+    if real:
+        ref.backward(grad[:real].double())
+    torch.testing.assert_close(x_grad[:real].double(), ref_x.grad if real else ref_x, **tol)
+    torch.testing.assert_close(probs_grad[:real].double(), ref_probs.grad if real else ref_probs, **tol)
+    assert torch.equal(x_grad[real:], torch.zeros_like(x_grad[real:]))
+    assert torch.equal(probs_grad[real:], torch.zeros_like(probs_grad[real:]))
+    grads = _grads_per_expert(module)
+    assert sorted(grads) == sorted(params)
+    for name, g in grads.items():
+        expected = params[name].grad if params[name].grad is not None else torch.zeros_like(params[name])
+        torch.testing.assert_close(g.double(), expected, **tol, msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("cfg", [CASES[2], CASES[4]])
+def test_padding_rows_change_nothing_bitwise(pg, cfg, device):
+    """The same real rows with P = sum and P = sum + 13 garbage rows: bitwise equal results."""
+    module = _experts(pg, device=device, **cfg)
+    x, counts, probs = _inputs(cfg["dtype"], pad=13, device=device)
+    real = int(counts.sum())
+    padded = _run(module, x, counts, probs, _output_grad(x, real))
+    padded_grads = {k: v.clone() for k, v in _grads_per_expert(module).items()}
+    exact = _run(module, x[:real], counts, probs[:real], _output_grad(x, real)[:real])
+    for a, b in zip(padded, exact):
+        assert torch.equal(a[:real], b)
+    assert all(torch.equal(g, padded_grads[k]) for k, g in _grads_per_expert(module).items())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_no_host_sync(pg, device):
+    module = _experts(pg, device=device, dtype=torch.bfloat16, bias=True)
+    x, counts, probs = _inputs(torch.bfloat16, device=device)
+    grad = _output_grad(x, sum(COUNTS))
+    with forbid_host_sync():  # on CUDA also torch's sync-debug mode "error"
+        out, _, x_grad, probs_grad = _run(module, x, counts, probs, grad)
+    assert out.shape == x.shape and x_grad.shape == x.shape and probs_grad.shape == probs.shape
+
+
+def test_counts_past_the_rows_are_cut_at_p(pg):
+    """A sum of counts above P (which a capacity dispatcher never hands over) reads no row past P:
+    the experts see the first P rows, as if the last counts had been cut to fit."""
+    module = _experts(pg)
+    x, counts, probs = _inputs(torch.float32, pad=0)  # 15 rows
+    cut = torch.tensor([5, 0, 5, 0])
+    torch.testing.assert_close(module(x[:10], counts, probs[:10])[0], module(x[:10], cut, probs[:10])[0])
+
+
+def test_default_process_groups(pg):
+    """pg_collection=None takes Megatron's default MoE groups (parallel_state)."""
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel()
+    try:
+        module = GroupedMLP(L, _config())
+        assert module.ep_group.size() == 1 and module.tp_group.size() == 1
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def _te_grouped_mlp_keys(bias: bool) -> list[str]:
+    """TEGroupedMLP's state-dict keys: TE GroupedLinear registers weight{i} then bias{i} per GEMM,
+    and every TE module saves an `_extra_state` (an empty uint8 tensor when no fp8 state is kept)."""
+    keys = []
+    for linear in ("linear_fc1", "linear_fc2"):
+        for i in range(L):
+            keys += [f"{linear}.weight{i}"] + ([f"{linear}.bias{i}"] if bias else [])
+        keys.append(f"{linear}._extra_state")
+    return keys
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("gated", [False, True])
+def test_state_dict_is_te_grouped_mlp_layout(pg, bias, gated):
+    state = GroupedMLP(L, _config(gated=gated, bias=bias), pg_collection=pg).state_dict()
+    assert list(state) == _te_grouped_mlp_keys(bias)
+    fc1_out = 2 * FFN if gated else FFN
+    for i in range(L):
+        assert state[f"linear_fc1.weight{i}"].shape == (fc1_out, H)
+        assert state[f"linear_fc2.weight{i}"].shape == (H, FFN)
+        if bias:
+            assert state[f"linear_fc1.bias{i}"].shape == (fc1_out,)
+            assert state[f"linear_fc2.bias{i}"].shape == (H,)
+    for linear in ("linear_fc1", "linear_fc2"):
+        extra = state[f"{linear}._extra_state"]
+        assert extra.dtype == torch.uint8 and extra.numel() == 0
+
+
+def test_state_dict_round_trip_and_load(pg):
+    source = _experts(pg, bias=True)
+    x, counts, probs = _inputs(torch.float32)
+    out = source(x, counts, probs)[0]
+
+    # Round trip into a module initialised differently: same weights, same outputs.
+    target = GroupedMLP(L, _config(bias=True), pg_collection=pg)
+    target.load_state_dict(source.state_dict())
+    assert all(torch.equal(a, b) for a, b in zip(source.state_dict().values(), target.state_dict().values()))
+    assert torch.equal(target(x, counts, probs)[0], out)
+
+    # A modified dict changes the outputs accordingly: doubling expert 2's fc2 weight and bias doubles
+    # exactly its rows (rows 5..11), and nothing else.
+    state = source.state_dict()
+    state["linear_fc2.weight2"] = state["linear_fc2.weight2"] * 2
+    state["linear_fc2.bias2"] = state["linear_fc2.bias2"] * 2
+    target.load_state_dict(state)
+    changed = target(x, counts, probs)[0]
+    assert torch.equal(changed[5:12], 2 * out[5:12])
+    assert torch.equal(changed[:5], out[:5]) and torch.equal(changed[12:], out[12:])
+
+    # The dist-checkpoint form (per-expert `_extra_state{i}`, from TE) and TE's single-grouped form
+    # (one stacked `weight`) load too.
+    state = dict(source.state_dict())
+    state |= {f"linear_fc1._extra_state{i}": torch.empty(0, dtype=torch.uint8) for i in range(1, L)}
+    state["linear_fc2.weight"] = torch.stack([state.pop(f"linear_fc2.weight{i}") for i in range(L)])
+    target = GroupedMLP(L, _config(bias=True), pg_collection=pg)
+    target.load_state_dict(state)
+    assert torch.equal(target(x, counts, probs)[0], out)
+
+    # An incomplete set of per-expert weights is reported, not silently half-loaded.
+    state = source.state_dict()
+    del state["linear_fc1.weight3"]
+    with pytest.raises(RuntimeError, match="linear_fc1.weight"):
+        target.load_state_dict(state)
+
+
+@pytest.mark.parametrize("ep, allreduce", [(1, True), (2, False)])
+def test_params_are_marked_as_megatron_expert_params(pg, ep, allreduce):
+    module = GroupedMLP(L, _config(bias=True, expert_model_parallel_size=ep), pg_collection=pg)
+    params = dict(module.named_parameters())
+    assert sorted(params) == ["linear_fc1.bias", "linear_fc1.weight", "linear_fc2.bias", "linear_fc2.weight"]
+    assert all(p.allreduce is allreduce for p in params.values())
+    # TE's column (fc1) / row (fc2) attributes, one axis further in for the stacked expert axis.
+    assert params["linear_fc1.weight"].partition_dim == 1 and params["linear_fc2.weight"].partition_dim == 2
+    assert not params["linear_fc2.bias"].tensor_model_parallel
+
+
+def test_sharded_state_dict_is_te_grouped_mlp_global_layout(pg):
+    """One ShardedTensor per stacked parameter, at the global key and shape TEGroupedMLP writes."""
+    module = GroupedMLP(L, _config(bias=True), pg_collection=pg)
+    entries = module.sharded_state_dict(prefix="mlp.experts.", sharded_offsets=((0, 3, 8),))
+    weight = entries["mlp.experts.linear_fc1.weight"]
+    assert weight.key == "mlp.experts.experts.linear_fc1.weight" and weight.data is module.linear_fc1.weight
+    assert weight.global_shape == (8, L, 2 * FFN, H) and weight.global_offset == (3, 0, 0, 0)
+    assert entries["mlp.experts.linear_fc2.bias"].global_shape == (8, L, H)
+    extras = [f"mlp.experts.linear_fc2._extra_state{i or ''}" for i in range(L)]
+    assert [entries[k].global_offset for k in extras] == [(3, i) for i in range(L)]
+    assert {entries[k].key for k in extras} == {"mlp.experts.experts.linear_fc2._extra_state"}
+
+
+REFUSED = [
+    (dict(expert_tensor_parallel_size=2), "--expert-tensor-parallel-size"),
+    (dict(expert_gtp_weight_remat_size=2), "--expert-tensor-parallel-num-weight-shards"),
+    (dict(moe_mlp_glu_interleave_size=8), "--moe-mlp-glu-interleave-size"),
+    (dict(moe_latent_size=8), "--moe-latent-size"),
+    (dict(fp8="e4m3"), "--fp8-format"),
+    (dict(fp4="e2m1"), "--fp4-format"),
+    (dict(moe_apply_probs_on_input=True), "--moe-apply-probs-on-input"),
+    (dict(delay_wgrad_compute=True), "--delay-wgrad-compute"),
+    (dict(overlap_dispatch_backward_with_experts_wgrad=True), "--overlap-dispatch-backward-with-experts-wgrad"),
+    (dict(dtype=torch.bfloat16, hidden_size=12), "--hidden-size"),
+    (dict(dtype=torch.bfloat16, moe_ffn_hidden_size=20), "--moe-ffn-hidden-size"),
+    (dict(dtype=torch.float32, moe_ffn_hidden_size=22), "--moe-ffn-hidden-size"),
+]
+
+
+@pytest.mark.parametrize("overrides, flag", REFUSED, ids=[f for _, f in REFUSED])
+def test_refused_configurations_name_the_flag(pg, overrides, flag):
+    with pytest.raises(ValueError, match=re.escape(flag)):
+        GroupedMLP(L, _config(**overrides), pg_collection=pg)
+
+
+def test_16_byte_rows_are_accepted(pg):
+    GroupedMLP(L, _config(dtype=torch.float32, moe_ffn_hidden_size=20), pg_collection=pg)  # 80-byte rows
+
+
+def _te_layout_sharded_state_dict(module, prefix, layer):
+    """What TEGroupedMLP writes for `module`'s weights, built apart from GroupedMLP's code: one
+    ShardedTensor per expert under a prepended expert axis, fc1's GLU halves as two chunks, and
+    one (empty) `_extra_state` object per expert."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from megatron.core.transformer.utils import make_sharded_object_for_checkpoint
+
+    entries, state = {}, module.state_dict()
+    for name in ("linear_fc1", "linear_fc2"):
+        key = f"{prefix}experts.{name}."
+        for i in range(L):
+            weight = state[f"{name}.weight{i}"].detach().clone()
+            if name == "linear_fc1" and module.config.gated_linear_unit:
+                entries[f"{name}.weight{i}"] = [
+                    ShardedTensor.from_rank_offsets(
+                        key + "weight", half, layer, (1, i, L), (2, j, 2), prepend_axis_num=2
+                    )
+                    for j, half in enumerate(weight.chunk(2))
+                ]
+            else:
+                entries[f"{name}.weight{i}"] = ShardedTensor.from_rank_offsets(
+                    key + "weight", weight, layer, (1, i, L), prepend_axis_num=2
+                )
+            entries[f"{name}._extra_state{i or ''}"] = make_sharded_object_for_checkpoint(
+                torch.empty(0, dtype=torch.uint8), key + "_extra_state", (layer, (1, i, L)), replica_id=0
+            )
+    return entries
+
+
+@pytest.mark.gpu
+def test_dist_checkpoint_interchanges_with_te_layout(pg, tmp_path):
+    """Megatron's torch_dist checkpoints (which need CUDA): ours loads what TEGroupedMLP's layout
+    wrote, and TEGroupedMLP's layout loads what ours wrote."""
+    from megatron.core import dist_checkpointing
+
+    prefix, layer = "decoder.layers.0.mlp.", (0, 0, 1)  # a model of one layer: a save must cover all
+    (tmp_path / "te").mkdir(), (tmp_path / "ours").mkdir()
+    source = _experts(pg, device="cuda", dtype=torch.bfloat16)
+    dist_checkpointing.save(_te_layout_sharded_state_dict(source, prefix, layer), str(tmp_path / "te"))
+    target = _experts(pg, seed=5, device="cuda", dtype=torch.bfloat16)
+    loaded = dist_checkpointing.load(target.sharded_state_dict(prefix, (layer,)), str(tmp_path / "te"))
+    target.load_state_dict({k.removeprefix(prefix): v for k, v in loaded.items()})
+    assert all(torch.equal(a, b) for a, b in zip(source.parameters(), target.parameters()))
+
+    source = _experts(pg, seed=7, device="cuda", dtype=torch.bfloat16)
+    dist_checkpointing.save(source.sharded_state_dict(prefix, (layer,)), str(tmp_path / "ours"))
+    request = _te_layout_sharded_state_dict(_experts(pg, seed=9, device="cuda", dtype=torch.bfloat16), prefix, layer)
+    loaded = dist_checkpointing.load(request, str(tmp_path / "ours"))
+    for name, expected in source.state_dict().items():
+        if "weight" in name:
+            got = loaded[name]
+            assert torch.equal(torch.cat(got) if isinstance(got, list) else got, expected), name

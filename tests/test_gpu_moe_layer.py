@@ -1,0 +1,165 @@
+"""Megatron-Core MoE layers with megatron-ext on one CUDA GPU (NCCL, one rank, bf16).
+
+A stack of MoE layers in capacity mode against the same stack dispatching blocking: equal
+outputs and gradients; after calibration no host synchronisation (the guard, with CUDA's
+sync-debug mode) and the run-ahead probe's verdict; a too-small capacity stops the process on
+the device with the layer's message.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.megatron_env import FLEX, copy_weights, run_steps
+
+pytestmark = pytest.mark.gpu
+
+LAYERS, TOKENS, HIDDEN, EXPERTS, TOPK, FFN = 4, 2048, 1024, 16, 4, 512
+GPU = dict(
+    hidden_size=HIDDEN,
+    num_moe_experts=EXPERTS,
+    moe_router_topk=TOPK,
+    moe_ffn_hidden_size=FFN,
+    params_dtype=torch.bfloat16,
+    bf16=True,
+    use_cpu_initialization=False,
+)
+
+
+@pytest.fixture(scope="module")
+def megatron(tmp_path_factory):
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    import megatron_ext.patches
+
+    torch.cuda.set_device(0)
+    init = tmp_path_factory.mktemp("nccl_moe") / "init"
+    dist.init_process_group("nccl", init_method=f"file://{init}", rank=0, world_size=1)
+    parallel_state.initialize_model_parallel()
+    model_parallel_cuda_manual_seed(1)
+    applied = megatron_ext.patches.apply()
+    yield
+    megatron_ext.patches.revert(applied)
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+def _stack(seed, **options):
+    from tests.megatron_env import make_config, moe_layer
+
+    config = make_config(1, **GPU, **options)
+    return torch.nn.ModuleList([moe_layer(config, experts="grouped", seed=seed + i) for i in range(LAYERS)])
+
+
+class _Stack(torch.nn.Module):
+    """The layers in sequence, called like one MoE layer (returns (output, None))."""
+
+    def __init__(self, layers):
+        super().__init__()
+        self.layers = layers
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)[0]
+        return x, None
+
+
+def _inputs(steps):
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    return [torch.randn(TOKENS, 1, HIDDEN, device="cuda", dtype=torch.bfloat16, generator=generator) for _ in range(steps)]
+
+
+def test_capacity_stack_equals_blocking_without_host_syncs(megatron):
+    from megatron_ext.sync import forbid_host_sync
+
+    blocking = _Stack(_stack(10, **FLEX))
+    capacity = _Stack(_stack(50, **FLEX, moe_hybridep_capacity_factor=1.5))
+    copy_weights(blocking, capacity)
+    inputs = _inputs(4)
+    expected = run_steps(blocking, inputs)
+    actual = run_steps(capacity, inputs[:1])
+    with forbid_host_sync():
+        actual += run_steps(capacity, inputs[1:])
+    torch.cuda.synchronize()
+    for step, ((out_a, dx_a, g_a), (out_b, dx_b, g_b)) in enumerate(zip(expected, actual)):
+        assert torch.equal(out_a, out_b), f"step {step}: output"
+        assert torch.equal(dx_a, dx_b), f"step {step}: input grad"
+        for name in g_a:
+            assert torch.equal(g_a[name], g_b[name]), f"step {step}: grad {name}"
+    for layer in capacity.layers:
+        stats = layer.token_dispatcher._comm_manager.stats
+        assert stats.calibrations == 1 and stats.non_blocking_dispatches == len(inputs) - 1
+
+
+def _step(stack, x):
+    def step():
+        x_ = x.detach().requires_grad_(True)
+        stack(x_)[0].float().sum().backward()
+
+    return step
+
+
+def test_capacity_stack_runs_ahead_and_blocking_waits(megatron):
+    from megatron_ext.sync import count_host_syncs, runahead_probe
+
+    x = _inputs(1)[0]
+    capacity = _Stack(_stack(50, **FLEX, moe_hybridep_equal_token_counts=True, moe_hybridep_capacity_factor=1.5))
+    blocking = _Stack(_stack(10, **FLEX))
+    _step(capacity, x)()  # calibration
+    with count_host_syncs() as log:
+        _step(capacity, x)()
+    ahead = runahead_probe(_step(capacity, x))
+    waits = runahead_probe(_step(blocking, x))
+    print(f"\n{LAYERS} MoE layers, T {TOKENS}, H {HIDDEN}, E {EXPERTS}, top-{TOPK}, bf16, forward+backward:")
+    print(f"  capacity mode + equal counts: {ahead}; host syncs counted: {log.count}")
+    print(f"  blocking dispatch:            {waits}")
+    assert log.count == 0, log.events
+    assert not ahead.waited, ahead
+    assert waits.waited, waits
+
+
+OVERFLOW_SCRIPT = textwrap.dedent(
+    """
+    import os, torch, torch.distributed as dist
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29533", RANK="0", WORLD_SIZE="1")
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl")
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    parallel_state.initialize_model_parallel()
+    model_parallel_cuda_manual_seed(1)
+    import megatron_ext.patches
+    megatron_ext.patches.apply()
+    from tests.megatron_env import FLEX, make_config, moe_layer
+    from tests.test_gpu_moe_layer import GPU, HIDDEN, TOKENS
+    layer = moe_layer(make_config(1, **GPU, **FLEX, moe_hybridep_capacity_factor=1.0), experts="grouped")
+    x = torch.randn(TOKENS, 1, HIDDEN, device="cuda", dtype=torch.bfloat16)
+    layer(x)[0].sum().backward()
+    layer.token_dispatcher._comm_manager.capacity = 4
+    layer(x)[0].sum().backward()
+    torch.cuda.synchronize()
+    print("NO FAILURE")
+    """
+)
+
+
+def test_too_small_capacity_stops_on_the_device():
+    result = subprocess.run(
+        [sys.executable, "-c", OVERFLOW_SCRIPT],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )
+    output = result.stdout + result.stderr
+    print(output[-3000:])
+    assert result.returncode != 0 and "NO FAILURE" not in output
+    assert "capacity of 4 rows" in output, "the device-side assert did not carry the layer's message"
