@@ -35,10 +35,9 @@ GPU = dict(
 
 @pytest.fixture(scope="module")
 def megatron(tmp_path_factory):
+    import megatron_ext.patches
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
-    import megatron_ext.patches
 
     torch.cuda.set_device(0)
     init = tmp_path_factory.mktemp("nccl_moe") / "init"
@@ -74,7 +73,8 @@ class _Stack(torch.nn.Module):
 
 def _inputs(steps):
     generator = torch.Generator(device="cuda").manual_seed(0)
-    return [torch.randn(TOKENS, 1, HIDDEN, device="cuda", dtype=torch.bfloat16, generator=generator) for _ in range(steps)]
+    shape = (TOKENS, 1, HIDDEN)
+    return [torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=generator) for _ in range(steps)]
 
 
 def test_capacity_stack_equals_blocking_without_host_syncs(megatron):
