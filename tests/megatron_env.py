@@ -135,7 +135,7 @@ def run_steps(layer, inputs, wrap=None):
         x = x.clone().requires_grad_(True)
         layer.zero_grad(set_to_none=True)
         out = wrap(layer, x) if wrap is not None else layer(x)[0]
-        weights = torch.linspace(-1.0, 1.0, out.numel(), dtype=out.dtype).view_as(out)
+        weights = torch.linspace(-1.0, 1.0, out.numel(), dtype=out.dtype, device=out.device).view_as(out)
         (out * weights).sum().backward()
         grads = {n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None}
         results.append((out.detach().clone(), x.grad.clone(), grads))
