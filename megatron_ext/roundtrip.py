@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import math
 import os
 import sys
 import tempfile
@@ -44,10 +43,6 @@ def _parse(argv=None):
     return args
 
 
-def _round_up(x: int, m: int | None) -> int:
-    return x if not m else -(-x // m) * m
-
-
 def _host_ms(fn, iters: int) -> float:
     times = []
     for _ in range(iters):
@@ -59,6 +54,7 @@ def _host_ms(fn, iters: int) -> float:
 
 def _run(rank: int, world_size: int, args) -> tuple[list[str], list[str]]:
     """Returns (report lines, failures) of this rank."""
+    from megatron_ext.capacity import capacity_from_rows
     from megatron_ext.hybridep import TorchHybridEPBuffer
     from megatron_ext.sync import forbid_host_sync
 
@@ -91,7 +87,7 @@ def _run(rank: int, world_size: int, args) -> tuple[list[str], list[str]]:
     exact = rows.shape[0]
     local_max = torch.tensor([exact], device=device)
     dist.all_reduce(local_max, op=dist.ReduceOp.MAX)
-    capacity = _round_up(math.ceil(int(local_max.item()) * args.capacity_factor), math.lcm(4, pm or 1))
+    capacity = capacity_from_rows(int(local_max.item()), args.capacity_factor, pm)
     with forbid_host_sync():
         nb_rows, nb_probs, _, nb_counts, nb_handle = dispatch(capacity)
         nb_combined, _ = buf.combine_with_unpermute(hidden=nb_rows, handle=nb_handle)
