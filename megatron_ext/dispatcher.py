@@ -114,6 +114,7 @@ class HybridEPCapacityManager:
         self.stats = DispatchStats()
         self._recompute_blocking = 0  # no-grad calibration forwards still to be replayed blocking
         self._inflight: Optional[InFlight] = None
+        self._num_tokens = 0  # this rank's tokens in the current dispatch, before padding
         self._last_buffer: Any = None  # the buffer of the latest dispatch (stats for tests and the bench)
         self.routing_map: Optional[torch.Tensor] = None
         self.token_probs: Optional[torch.Tensor] = None
@@ -137,9 +138,10 @@ class HybridEPCapacityManager:
         return num_tokens
 
     def _verify_equal_counts(self, num_tokens: int, device: torch.device) -> None:
-        # max(n) and max(-n) in one all-reduce; every rank computes the same verdict.
-        extremes = torch.full((2,), num_tokens, dtype=torch.int64, device=device)
-        extremes[1] = -num_tokens
+        # max(n) and max(-n) in one all-reduce; every rank computes the same verdict. Built with
+        # kernels only: writing a host int into a CUDA tensor (`t[1] = -n`) waits for the GPU.
+        signs = 1 - 2 * torch.arange(2, dtype=torch.int64, device=device)
+        extremes = signs * num_tokens
         dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=self.group)
         self.stats.token_count_all_reduces += 1
         torch._assert_async(

@@ -10,7 +10,11 @@ them instead. Both trap three layers, because no single one sees everything:
   device (so a CPU test catches what would stall a GPU): `nonzero`, `masked_select`, Boolean-mask
   indexing, `unique`, `repeat_interleave` without `output_size`, and the scalar reads behind
   `is_nonzero` / `equal` / `_local_scalar_dense`.
-* On CUDA, `torch.cuda.set_sync_debug_mode("error")` for synchronising copies inside kernels.
+* Host-to-device copies: `Tensor.__setitem__` with a Python value (on CUDA it copies a host
+  scalar from pageable memory, which waits for the GPU: measured with the probe), and at the
+  dispatcher any copy from unpinned host memory to a CUDA tensor.
+* On CUDA, `torch.cuda.set_sync_debug_mode` for synchronising copies inside kernels ("error"
+  under `forbid_host_sync()`; under `count_host_syncs()` its warnings are counted).
 
 The ground truth on a GPU is `runahead_probe`: queue a long GPU sleep, then time how long the
 host takes to enqueue a step. A step that never waits returns long before the sleep ends.
@@ -21,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -92,9 +97,23 @@ def _wrap(owner: object, name: str, label: str) -> None:
     setattr(owner, name, trapped)
 
 
+def _wrap_setitem() -> None:
+    original = torch.Tensor.__setitem__
+    _originals[(torch.Tensor, "__setitem__")] = original
+
+    def __setitem__(self, index, value):
+        if not isinstance(value, torch.Tensor):
+            _report("Tensor.__setitem__ with a Python value (a host-to-device copy: waits for the GPU on CUDA)")
+        return original(self, index, value)
+
+    __setitem__.__wrapped__ = original
+    torch.Tensor.__setitem__ = __setitem__
+
+
 def _install() -> None:
     for name in _TENSOR_METHODS:
         _wrap(torch.Tensor, name, f"Tensor.{name}()")
+    _wrap_setitem()
     if torch.cuda.is_available():
         _wrap(torch.cuda.Event, "synchronize", "torch.cuda.Event.synchronize()")
         _wrap(torch.cuda.Stream, "synchronize", "torch.cuda.Stream.synchronize()")
@@ -107,6 +126,19 @@ def _uninstall() -> None:
     _originals.clear()
 
 
+def _host_to_device_copy(func, args, kwargs) -> str | None:
+    """A copy from unpinned host memory to a CUDA tensor (CUDA waits for the stream first)."""
+    if func is aten.copy_.default:
+        destination, source = args[0].device, args[1]
+    else:
+        source, destination = args[0], kwargs.get("device")
+    if destination is None or torch.device(destination).type != "cuda":
+        return None
+    if not isinstance(source, torch.Tensor) or source.device.type != "cpu" or source.is_pinned():
+        return None
+    return "a copy from unpinned host memory to the GPU (waits for the GPU)"
+
+
 class _SyncingOpMode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -116,6 +148,8 @@ class _SyncingOpMode(TorchDispatchMode):
                 what = "Boolean-mask indexing (output size depends on values)"
         elif what is None and func is aten.repeat_interleave.Tensor and kwargs.get("output_size") is None:
             what = "torch.repeat_interleave() without output_size"
+        elif what is None and func in (aten.copy_.default, aten._to_copy.default):
+            what = _host_to_device_copy(func, args, kwargs)
         if what is not None:
             _report(what)
         return func(*args, **kwargs)
@@ -147,8 +181,15 @@ def _guard(raise_on_sync: bool) -> Iterator[SyncLog]:
     if cuda:
         torch.cuda.set_sync_debug_mode("error" if raise_on_sync else "warn")
     try:
-        with _SyncingOpMode():
+        with _SyncingOpMode(), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
             yield guard.log
+        for warning in caught:
+            if "synchronizing CUDA operation" in str(warning.message):
+                where = f"{warning.filename}:{warning.lineno}"
+                guard.log.events.append(SyncEvent(f"CUDA sync-debug: {warning.message} ({where})"))
+            else:
+                warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
     finally:
         if cuda:
             torch.cuda.set_sync_debug_mode(previous_debug_mode)

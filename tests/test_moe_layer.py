@@ -164,12 +164,14 @@ def equal_token_counts_skip_the_all_reduce(rank, world):
 
 
 def verify_catches_unequal_counts(rank, world):
-    config = make_config(
-        world, **FLEX, moe_hybridep_equal_token_counts=True, moe_hybridep_verify_equal_token_counts=True
-    )
-    layer = moe_layer(config, experts="grouped")
-    with _CountAllReduce() as calls:
-        run_steps(layer, step_inputs(rank, 1, 30, HIDDEN, seed=5))  # equal counts pass
+    from megatron_ext.sync import forbid_host_sync
+
+    equal = dict(moe_hybridep_equal_token_counts=True, moe_hybridep_verify_equal_token_counts=True)
+    layer = moe_layer(make_config(world, **FLEX, **equal, moe_hybridep_capacity_factor=1.5), experts="grouped")
+    inputs = step_inputs(rank, 2, 30, HIDDEN, seed=5)
+    run_steps(layer, inputs[:1])  # calibration
+    with _CountAllReduce() as calls, forbid_host_sync():  # the check reads nothing on the host
+        run_steps(layer, inputs[1:])  # equal counts pass
     assert calls.calls == 1  # the check's one all-reduce per dispatch
     if world == 1:
         return

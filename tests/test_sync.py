@@ -65,3 +65,25 @@ def test_guard_restores_tensor_methods():
 def test_runahead_probe_needs_cuda():
     with pytest.raises(RuntimeError, match="needs a CUDA device"):
         runahead_probe(lambda: None)
+
+
+def test_writing_a_python_value_into_a_tensor_counts():
+    """On CUDA `t[i] = 5` copies a host scalar and waits for the GPU (measured); CPU tests see it too."""
+    t = torch.zeros(4)
+    with count_host_syncs() as log:
+        t[1] = 5
+        t[2] = torch.tensor(3.0)  # a tensor value: no host copy at this call
+    assert log.count == 1 and "__setitem__" in log.events[0].what
+    with pytest.raises(HostSyncError, match="__setitem__"), forbid_host_sync():
+        t[0] = 1.0
+
+
+@pytest.mark.gpu
+def test_host_to_device_copies_count_on_cuda():
+    host, pinned = torch.ones(4), torch.ones(4).pin_memory()
+    with count_host_syncs() as log:
+        host.cuda()
+    assert log.count >= 1, log.events
+    with count_host_syncs() as log:
+        pinned.to("cuda", non_blocking=True)
+    assert log.count == 0, log.events
