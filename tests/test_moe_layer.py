@@ -84,6 +84,19 @@ def no_flags_equal_stock_alltoall(rank, world):
     _assert_same(run_steps(stock, inputs), run_steps(ours, inputs), exact=False)
 
 
+def blocking_backward_reads_nothing(rank, world):
+    """The blocking dispatch reads its counts once, in the forward; its backward reuses them."""
+    from megatron_ext.sync import count_host_syncs, forbid_host_sync
+
+    layer = moe_layer(make_config(world, **FLEX), experts="grouped")
+    x = step_inputs(rank, 1, 32, HIDDEN, seed=9)[0].requires_grad_(True)
+    with count_host_syncs() as forward:
+        out = layer(x)[0]
+    with forbid_host_sync():
+        out.sum().backward()
+    assert forward.count == 1 and "tolist" in forward.events[0].what, forward.events
+
+
 def _capacity_equals_blocking(rank, world, factor, static):
     from megatron_ext.capacity import capacity_from_rows
     from megatron_ext.sync import forbid_host_sync
@@ -266,6 +279,7 @@ def deep_ep_buffer_through_the_same_path(rank, world):
 CHECKS = (
     dispatcher_is_ours_with_flags,
     no_flags_equal_stock_alltoall,
+    blocking_backward_reads_nothing,
     capacity_1_0_equals_blocking,
     capacity_1_5_equals_blocking,
     capacity_2_0_equals_blocking,
