@@ -8,7 +8,7 @@ construction, and in the dispatcher. Every message names the flag and the fix.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Literal, Optional
 
 Implementation = Literal["auto", "deep_ep", "torch"]
@@ -37,38 +37,23 @@ class HybridEPOptions:
     @classmethod
     def from_config(cls, config: Any) -> HybridEPOptions:
         """Read the options from a config or namespace; absent fields take their defaults."""
-        return cls(
-            capacity_factor=getattr(config, "moe_hybridep_capacity_factor", None),
-            equal_token_counts=bool(getattr(config, "moe_hybridep_equal_token_counts", False)),
-            verify_equal_token_counts=bool(getattr(config, "moe_hybridep_verify_equal_token_counts", False)),
-            reuse_allgather_buffer=bool(getattr(config, "moe_hybridep_reuse_allgather_buffer", False)),
-            implementation=getattr(config, "moe_hybridep_implementation", "auto"),
-        )
+        defaults = cls()
+        return cls(**{name: getattr(config, CONFIG_PREFIX + name, getattr(defaults, name)) for name in OPTION_NAMES})
+
+    def set_flags(self) -> list[str]:
+        """The flags whose values differ from their defaults, for messages."""
+        defaults = HybridEPOptions()
+        return [flag(CONFIG_PREFIX + n) for n in OPTION_NAMES if getattr(self, n) != getattr(defaults, n)]
 
     @property
     def changes_dispatch(self) -> bool:
         """Whether any option other than the implementation departs from stock behaviour."""
-        return (
-            self.capacity_factor is not None
-            or self.equal_token_counts
-            or self.verify_equal_token_counts
-            or self.reuse_allgather_buffer
-        )
+        return any(f != flag(CONFIG_PREFIX + "implementation") for f in self.set_flags())
 
-    def set_flags(self) -> list[str]:
-        """The flags that differ from their defaults, for messages."""
-        names = []
-        if self.capacity_factor is not None:
-            names.append(flag("moe_hybridep_capacity_factor"))
-        if self.equal_token_counts:
-            names.append(flag("moe_hybridep_equal_token_counts"))
-        if self.verify_equal_token_counts:
-            names.append(flag("moe_hybridep_verify_equal_token_counts"))
-        if self.reuse_allgather_buffer:
-            names.append(flag("moe_hybridep_reuse_allgather_buffer"))
-        if self.implementation != "auto":
-            names.append(flag("moe_hybridep_implementation"))
-        return names
+
+# Config field of option `x`: `moe_hybridep_x` (flag `--moe-hybridep-x`).
+CONFIG_PREFIX = "moe_hybridep_"
+OPTION_NAMES: tuple[str, ...] = tuple(f.name for f in fields(HybridEPOptions))
 
 
 def deep_ep_import_error() -> Optional[str]:

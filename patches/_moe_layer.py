@@ -31,12 +31,14 @@ def select_experts(config: Any, submodules: Any) -> Any:
     """`submodules` with experts that take device counts when capacity mode needs them."""
     if submodules is None or HybridEPOptions.from_config(config).capacity_factor is None:
         return submodules
+    from megatron.core.transformer.moe.experts import TEGroupedMLP
+
     from megatron_ext.experts import GroupedMLP
 
     built = _builder_class(submodules.experts)
     if isinstance(built, type) and issubclass(built, GroupedMLP):
         return submodules
-    if getattr(built, "__name__", "") == "TEGroupedMLP" and config.use_transformer_engine_op_fuser:
+    if isinstance(built, type) and issubclass(built, TEGroupedMLP) and config.use_transformer_engine_op_fuser:
         return submodules
     logger.info(
         "megatron-ext: capacity mode: experts %s -> megatron_ext.experts.GroupedMLP (counts stay on the device).",

@@ -158,6 +158,10 @@ def test_field_names():
         "moe_hybridep_reuse_allgather_buffer",
         "moe_hybridep_implementation",
     )
+    # the options the dispatcher reads are exactly these fields (options.py cannot import Megatron)
+    from megatron_ext.options import CONFIG_PREFIX, OPTION_NAMES
+
+    assert tuple(CONFIG_PREFIX + name for name in OPTION_NAMES) == FIELD_NAMES
 
 
 # --- with the patch --------------------------------------------------------------------------

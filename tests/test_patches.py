@@ -284,3 +284,27 @@ def test_apply_selected_features(originals, replacements, features, expected):
     assert patches.applied() == tuple(expected)
     assert_patched(originals, replacements, expected)
     assert_stock(originals, [t for t in ALL_TARGETS if t not in expected])
+
+
+def test_capacity_mode_selects_experts_that_take_device_counts():
+    import functools
+    import types
+
+    from megatron.core.transformer.moe.experts import SequentialMLP, TEGroupedMLP
+    from megatron.core.transformer.moe.moe_layer import MoESubmodules
+
+    from megatron_ext.experts import GroupedMLP
+    from megatron_ext.patches._moe_layer import select_experts
+
+    def config(factor, op_fuser=False):
+        return types.SimpleNamespace(moe_hybridep_capacity_factor=factor, use_transformer_engine_op_fuser=op_fuser)
+
+    sequential = MoESubmodules(experts=functools.partial(SequentialMLP, submodules=None))
+    te = MoESubmodules(experts=functools.partial(TEGroupedMLP, submodules=None))
+    ours = MoESubmodules(experts=GroupedMLP)
+    assert select_experts(config(None), sequential) is sequential  # blocking: Megatron's experts stay
+    assert select_experts(config(1.5), sequential).experts is GroupedMLP  # it reads counts on the host
+    assert select_experts(config(1.5), te).experts is GroupedMLP  # TE's unfused path does too
+    assert select_experts(config(1.5, op_fuser=True), te) is te  # TE's op-fuser path takes device counts
+    assert select_experts(config(1.5), ours) is ours
+    assert sequential.experts.func is SequentialMLP  # the shared spec itself is never changed
