@@ -292,9 +292,9 @@ def test_capacity_mode_selects_experts_that_take_device_counts():
 
     from megatron.core.transformer.moe.experts import SequentialMLP, TEGroupedMLP
     from megatron.core.transformer.moe.moe_layer import MoESubmodules
+    from megatron_ext.patches._moe_layer import select_experts
 
     from megatron_ext.experts import GroupedMLP
-    from megatron_ext.patches._moe_layer import select_experts
 
     def config(factor, op_fuser=False):
         return types.SimpleNamespace(moe_hybridep_capacity_factor=factor, use_transformer_engine_op_fuser=op_fuser)
