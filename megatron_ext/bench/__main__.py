@@ -1,0 +1,5 @@
+import sys
+
+from megatron_ext.bench.cli import main
+
+sys.exit(main())

@@ -1,0 +1,348 @@
+"""`megatron-ext-bench`: every dispatch mode on the same Megatron MoE stack, checked and measured.
+
+    megatron-ext-bench                        # one rank per GPU (NCCL); without a GPU, 4 CPU ranks (gloo)
+    megatron-ext-bench --json out.json --plot out.png
+    torchrun --nproc-per-node 8 -m megatron_ext.bench --layers 8 --hidden 4096 --experts 64 --topk 8
+
+Exits 0 when every mode's outputs and gradients equal the blocking mode's (bitwise for
+megatron-ext's torch modes; within a tolerance for stock Megatron and deep_ep, which sum in
+another order); 1, naming the mode, when one differs or fails; 2 on bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import logging
+import math
+import os
+import sys
+import tempfile
+import traceback
+import warnings
+
+import torch
+
+from megatron_ext.bench.modes import all_modes, select
+from megatron_ext.bench.run import DTYPES, Sizes
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="megatron-ext-bench",
+        description="Run every dispatch mode on one stack of Megatron-Core MoE layers: check the results "
+        "against the blocking mode, count host syncs and bytes, time the steps.",
+        epilog="Modes: " + ", ".join(m.name for m in all_modes(1.5)) + " (deep_ep ones where deep_ep imports).",
+    )
+    size = p.add_argument_group("the MoE stack (the same in every mode)")
+    size.add_argument("--layers", type=int, default=2, help="MoE layers in sequence (default 2)")
+    size.add_argument("--tokens", type=int, default=256, help="tokens per rank (default 256)")
+    size.add_argument("--hidden", type=int, default=128, help="hidden size (default 128)")
+    size.add_argument("--ffn-hidden", type=int, default=128, help="each expert's FFN hidden size (default 128)")
+    size.add_argument("--experts", type=int, default=8, help="experts in all; divisible by the ranks (default 8)")
+    size.add_argument("--topk", type=int, default=2, help="experts per token (default 2)")
+    size.add_argument(
+        "--dtype", choices=("auto", *DTYPES), default="auto", help="auto: bf16 on GPUs, fp32 on CPU (default)"
+    )
+    size.add_argument(
+        "--skew",
+        type=float,
+        default=0.0,
+        help="routing skew: add SKEW x a fixed +-1 vector to every token, so the router favours the experts "
+        "aligned with it (0: balanced on average; 1: the shift is as large as the tokens' spread)",
+    )
+    size.add_argument(
+        "--capacity-factor", type=float, default=1.5, help="--moe-hybridep-capacity-factor of capacity modes (1.5)"
+    )
+    run = p.add_argument_group("the run")
+    run.add_argument("--modes", default=None, help="comma-separated modes to run (blocking always runs); default all")
+    run.add_argument("--steps", type=int, default=5, help="timed steps per mode (default 5)")
+    run.add_argument("--check-steps", type=int, default=2, help="steps compared with blocking, per mode (default 2)")
+    run.add_argument("--warmup", type=int, default=1, help="untimed steps per mode before counting (default 1)")
+    run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto", help="auto: cuda where available")
+    run.add_argument("--world-size", type=int, default=None, help="ranks to spawn (default: GPUs, or 4 on CPU)")
+    run.add_argument("--timeout", type=float, default=300.0, help="seconds a collective may wait (default 300)")
+    run.add_argument("--runahead-sleep-ms", type=float, default=300.0, help="GPU sleep of the run-ahead probe")
+    out = p.add_argument_group("output")
+    out.add_argument("--json", metavar="PATH", help="write every number (per rank too) as JSON")
+    out.add_argument("--plot", metavar="PATH", help="write a PNG of step time and host syncs per mode (matplotlib)")
+    out.add_argument("--no-progress", action="store_true", help="no progress bar")
+    out.add_argument("--verbose", action="store_true", help="megatron-ext's log (patching, calibration) on stderr")
+    return p
+
+
+def parse(argv=None) -> argparse.Namespace:
+    p = parser()
+    args = p.parse_args(argv)
+    cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    if cuda and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device is visible")
+    args.device = "cuda" if cuda else "cpu"
+    if args.dtype == "auto":
+        args.dtype = "bf16" if cuda else "fp32"
+    if args.dtype == "fp16" and not cuda:
+        p.error("--dtype fp16 needs a GPU; use fp32 or bf16 on CPU")
+    under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    if under_torchrun:
+        args.world_size = int(os.environ["WORLD_SIZE"])
+    elif args.world_size is None:
+        args.world_size = torch.cuda.device_count() if cuda else 4
+    if cuda and not under_torchrun and args.world_size > torch.cuda.device_count():
+        p.error(f"--world-size {args.world_size}: only {torch.cuda.device_count()} GPU(s) are visible")
+    for name in ("layers", "tokens", "hidden", "ffn_hidden", "experts", "steps", "check_steps", "world_size"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.warmup < 0:
+        p.error("--warmup must be at least 0")
+    if not 1 <= args.topk <= args.experts:
+        p.error(f"--topk {args.topk} must be between 1 and --experts ({args.experts})")
+    if args.experts % args.world_size:
+        p.error(f"--experts {args.experts} must be divisible by the {args.world_size} ranks (one EP group)")
+    if not (math.isfinite(args.capacity_factor) and args.capacity_factor >= 1.0):
+        p.error(f"--capacity-factor {args.capacity_factor} would drop tokens; use a finite value >= 1.0")
+    try:
+        args.selected = select(args.modes.split(",") if args.modes else None, args.capacity_factor)
+    except ValueError as error:
+        p.error(str(error))
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            p.error("--plot needs matplotlib: pip install 'megatron-ext[plot]'")
+    return args
+
+
+def sizes_of(args) -> Sizes:
+    return Sizes(
+        layers=args.layers,
+        tokens=args.tokens,
+        hidden=args.hidden,
+        ffn_hidden=args.ffn_hidden,
+        experts=args.experts,
+        topk=args.topk,
+        dtype=args.dtype,
+        skew=args.skew,
+        capacity_factor=args.capacity_factor,
+        steps=args.steps,
+        check_steps=args.check_steps,
+        warmup=args.warmup,
+        seed=args.seed,
+        runahead_sleep_ms=args.runahead_sleep_ms,
+    )
+
+
+def _machine(args, world_size: int) -> str:
+    if args.device == "cuda":
+        return f"{world_size} NCCL rank(s) on {torch.cuda.get_device_name()}"
+    return f"{world_size} gloo rank(s) on CPU"
+
+
+def _versions() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = {}
+    for package in ("megatron-ext", "megatron-core", "torch"):
+        try:
+            found[package] = version(package)
+        except PackageNotFoundError:
+            found[package] = None
+    return found
+
+
+# ---------------------------------------------------------------------------------- one rank
+
+
+def _quiet(verbose: bool) -> None:
+    """Megatron's import-time warnings (no TE, no apex) say nothing about the bench; keep them out."""
+    if not verbose:
+        warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\..*")
+    logging.getLogger("megatron_ext").setLevel(logging.INFO if verbose else logging.WARNING)
+
+
+def _rank_main(rank: int, world_size: int, args, failure_dir: str) -> bool:
+    """Everything one rank does once its process group is up; True when every mode passed."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    import megatron_ext.patches
+    from megatron_ext.bench import report
+    from megatron_ext.bench.run import run_modes
+
+    device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
+    if device.type == "cpu":
+        from megatron_ext.patches.cpu import use_cpu_ranks
+
+        use_cpu_ranks()
+        torch.set_num_threads(1)  # one thread per rank: ranks share the cores
+    parallel_state.initialize_model_parallel(expert_model_parallel_size=world_size)
+    if device.type == "cuda":
+        model_parallel_cuda_manual_seed(args.seed)
+    applied = megatron_ext.patches.apply()
+    sizes = sizes_of(args)
+    per_mode = sizes.check_steps + sizes.warmup + 1 + sizes.steps
+    bar = _progress(rank == 0 and not args.no_progress, per_mode * len(args.selected))
+    current = {"mode": None}
+
+    def starting(mode_name: str) -> None:
+        current["mode"] = mode_name
+        bar.set_description(mode_name)
+
+    try:
+        results, facts = run_modes(sizes, args.selected, device, progress=lambda: bar.update(1), starting=starting)
+        results = {r.name: r for r in results}
+    except Exception as error:  # a failing rank leaves the others in a collective: say why, then stop
+        with open(os.path.join(failure_dir, f"rank{rank}"), "w") as f:
+            json.dump(dict(rank=rank, mode=current["mode"], error=f"{type(error).__name__}: {error}"), f)
+        traceback.print_exc()
+        raise
+    finally:
+        bar.close()
+    gathered = [None] * world_size
+    dist.all_gather_object(gathered, {name: r.to_dict() for name, r in results.items()})
+    rows = [report.aggregate(mode, [ranks[mode.name] for ranks in gathered]) for mode in args.selected]
+    report.add_ratios(rows)
+    problems = report.failures(rows)
+    if rank == 0:
+        _print_report(args, sizes, world_size, rows, facts, problems)
+    megatron_ext.patches.revert(applied)
+    parallel_state.destroy_model_parallel()
+    return not problems
+
+
+def _progress(enabled: bool, total: int):
+    from tqdm import tqdm
+
+    return tqdm(total=total, disable=not enabled, file=sys.stderr, unit="step", leave=False)
+
+
+def _print_report(args, sizes, world_size, rows, facts, problems) -> None:
+    from megatron_ext.bench import report
+
+    cuda = args.device == "cuda"
+    load = facts.get("expert_load_max_over_mean")
+    title = (
+        f"megatron-ext-bench: {_machine(args, world_size)}; {sizes.layers} MoE layers, T {sizes.tokens}/rank, "
+        f"H {sizes.hidden}, FFN {sizes.ffn_hidden}, E {sizes.experts}, top-{sizes.topk}, {sizes.dtype}, "
+        f"skew {sizes.skew:g}, capacity factor {sizes.capacity_factor:g}"
+    )
+    print(title)
+    if load is not None:
+        print(f"routing: busiest expert holds {load:.2f}x the mean (layer 1, first step)")
+    print(
+        f"per mode: {sizes.check_steps} checked + {sizes.warmup} warm-up + 1 counted + {sizes.steps} timed "
+        "steps on the same inputs and weights\n"
+    )
+    print(report.table(rows, cuda))
+    print()
+    print(report.legend(rows, cuda, sizes))
+    print()
+    if problems:
+        for problem in problems:
+            print(f"FAILED {problem}")
+    else:
+        kinds = {r["name"]: r["equal_to_blocking"] for r in rows if r["status"] == "ok"}
+        bitwise = [n for n, k in kinds.items() if k == "bitwise" and n != "blocking"]
+        close = [n for n, k in kinds.items() if k == "close"]
+        print(
+            "OK: outputs and gradients equal blocking's: bitwise for "
+            + (", ".join(bitwise) or "none")
+            + ("; within tolerance for " + ", ".join(close) if close else "")
+        )
+    if args.json:
+        report.write_json(
+            args.json,
+            dict(
+                machine=_machine(args, world_size),
+                world_size=world_size,
+                device=args.device,
+                versions=_versions(),
+                sizes=sizes.__dict__,
+                facts=facts,
+                modes=rows,
+                ok=not problems,
+                failures=problems,
+            ),
+        )
+        print(f"wrote {args.json}")
+    if args.plot:
+        report.write_plot(args.plot, rows, title)
+        print(f"wrote {args.plot}")
+
+
+# ---------------------------------------------------------------------------------- launching
+
+
+def _spawned(rank: int, world_size: int, args, init_file: str, failure_dir: str, status_file: str) -> None:
+    import torch.distributed as dist
+
+    _quiet(args.verbose)
+    if args.device == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(
+        "nccl" if args.device == "cuda" else "gloo",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=args.timeout),
+    )
+    try:
+        ok = _rank_main(rank, world_size, args, failure_dir)
+        if rank == 0:
+            with open(status_file, "w") as f:
+                f.write("ok" if ok else "failed")
+    finally:
+        dist.destroy_process_group()
+
+
+def _failure_summary(failure_dir: str) -> list[str]:
+    lines = []
+    for name in sorted(os.listdir(failure_dir)):
+        with open(os.path.join(failure_dir, name)) as f:
+            failure = json.load(f)
+        lines.append(f"FAILED mode {failure['mode']} on rank {failure['rank']}: {failure['error']}")
+    return lines
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun
+        import torch.distributed as dist
+
+        _quiet(args.verbose)
+        if args.device == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(
+            "nccl" if args.device == "cuda" else "gloo", timeout=datetime.timedelta(seconds=args.timeout)
+        )
+        with tempfile.TemporaryDirectory() as failure_dir:
+            try:
+                ok = _rank_main(dist.get_rank(), dist.get_world_size(), args, failure_dir)
+            except Exception:
+                for line in _failure_summary(failure_dir):
+                    print(line, file=sys.stderr)
+                return 1
+            finally:
+                dist.destroy_process_group()
+        return 0 if ok else 1
+
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        failure_dir = os.path.join(tmp, "failures")
+        os.mkdir(failure_dir)
+        status = os.path.join(tmp, "status")
+        try:
+            mp.spawn(
+                _spawned,
+                args=(args.world_size, args, os.path.join(tmp, "init"), failure_dir, status),
+                nprocs=args.world_size,
+            )
+        except Exception as error:  # a rank failed; the others were stopped by spawn
+            lines = _failure_summary(failure_dir) or [f"FAILED: a rank stopped: {error}"]
+            print("\n".join(lines), file=sys.stderr)
+            return 1
+        ok = os.path.exists(status) and open(status).read() == "ok"
+    return 0 if ok else 1

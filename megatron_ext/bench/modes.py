@@ -1,0 +1,120 @@
+"""The dispatch modes the bench compares, each a set of Megatron config overrides.
+
+Every mode runs the same MoE stack (same weights, same inputs, the same experts), so what
+differs between two rows of the table is the dispatch alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+FLEX = dict(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="hybridep")
+
+
+@dataclass(frozen=True)
+class Mode:
+    """One row of the bench.
+
+    name: what the table and `--modes` call it. summary: one line for the table's legend.
+    flags: the launch flags a user would set for it. overrides: the TransformerConfig fields.
+    equality: how its results must match the blocking mode's: 'bitwise' (the same numbers in the
+    same order) or 'close' (another implementation sums in another order).
+    needs_deep_ep: runs only where `deep_ep.HybridEPBuffer` imports.
+    """
+
+    name: str
+    summary: str
+    flags: tuple[str, ...]
+    overrides: dict[str, Any] = field(default_factory=dict)
+    equality: str = "bitwise"
+    needs_deep_ep: bool = False
+
+
+BLOCKING = "blocking"
+STOCK = "megatron"
+
+
+def all_modes(capacity_factor: float) -> tuple[Mode, ...]:
+    """Every mode, in the order the table shows them (the bench runs `blocking`, the reference, first)."""
+    factor = dict(moe_hybridep_capacity_factor=capacity_factor)
+    equal = dict(moe_hybridep_equal_token_counts=True)
+    torch_impl = dict(FLEX, moe_hybridep_implementation="torch")
+    flex_flags = ("--moe-token-dispatcher-type flex", "--moe-flex-dispatcher-backend hybridep")
+    factor_flag = f"--moe-hybridep-capacity-factor {capacity_factor}"
+    return (
+        Mode(
+            STOCK,
+            "stock Megatron-Core: the alltoall dispatcher",
+            ("--moe-token-dispatcher-type alltoall",),
+            dict(moe_token_dispatcher_type="alltoall"),
+            equality="close",
+        ),
+        Mode(
+            BLOCKING,
+            "megatron-ext's dispatcher, every dispatch blocking (one host read of the counts each)",
+            (*flex_flags, "--moe-hybridep-implementation torch"),
+            torch_impl,
+        ),
+        Mode(
+            "capacity+pad",
+            "capacity mode, counts padded to the EP-group max (Megatron's uneven-input pad: all-reduce + host read)",
+            (*flex_flags, factor_flag, "--moe-hybridep-pad-uneven-dispatch-inputs"),
+            dict(torch_impl, **factor, moe_hybridep_pad_uneven_dispatch_inputs=True),
+        ),
+        Mode(
+            "capacity+equal",
+            "capacity mode, equal token counts declared (no all-reduce)",
+            (*flex_flags, factor_flag, "--moe-hybridep-equal-token-counts"),
+            dict(torch_impl, **factor, **equal),
+        ),
+        Mode(
+            "capacity+equal+check",
+            "as capacity+equal, the declaration checked on the device (one small all-reduce)",
+            (*flex_flags, factor_flag, "--moe-hybridep-equal-token-counts", "--moe-hybridep-verify-equal-token-counts"),
+            dict(torch_impl, **factor, **equal, moe_hybridep_verify_equal_token_counts=True),
+        ),
+        Mode(
+            "capacity+equal+reuse",
+            "as capacity+equal, routing maps gathered into a reused buffer",
+            (*flex_flags, factor_flag, "--moe-hybridep-equal-token-counts", "--moe-hybridep-reuse-allgather-buffer"),
+            dict(torch_impl, **factor, **equal, moe_hybridep_reuse_allgather_buffer=True),
+        ),
+        Mode(
+            "deep_ep",
+            "stock Megatron-Core's HybridEP dispatch on deep_ep's kernels",
+            flex_flags,
+            dict(FLEX),
+            equality="close",
+            needs_deep_ep=True,
+        ),
+        Mode(
+            "deep_ep+capacity+equal+reuse",
+            "megatron-ext's capacity mode, equal counts and reuse on deep_ep's kernels",
+            (
+                *flex_flags,
+                "--moe-hybridep-implementation deep_ep",
+                factor_flag,
+                "--moe-hybridep-equal-token-counts",
+                "--moe-hybridep-reuse-allgather-buffer",
+            ),
+            dict(
+                FLEX, moe_hybridep_implementation="deep_ep", **factor, **equal, moe_hybridep_reuse_allgather_buffer=True
+            ),
+            equality="close",
+            needs_deep_ep=True,
+        ),
+    )
+
+
+def select(names: list[str] | None, capacity_factor: float) -> tuple[Mode, ...]:
+    """The modes named (always with `blocking`, the reference), in table order; ValueError on an unknown name."""
+    modes = all_modes(capacity_factor)
+    if not names:
+        return modes
+    known = {m.name for m in modes}
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise ValueError(f"--modes: unknown mode(s) {', '.join(unknown)}; choose from {', '.join(sorted(known))}")
+    wanted = set(names) | {BLOCKING}
+    return tuple(m for m in modes if m.name in wanted)

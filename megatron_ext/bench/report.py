@@ -1,0 +1,198 @@
+"""The bench's results across ranks: one row per mode, a table, JSON and a plot."""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from typing import Any, Optional
+
+from megatron_ext.bench.modes import STOCK, Mode
+
+_STATUS_ORDER = ("ok", "skipped", "differs", "failed")
+
+
+def _median(values: list[float]) -> Optional[float]:
+    return statistics.median(values) if values else None
+
+
+def _worst(values: list[Optional[float]], pick=max) -> Optional[float]:
+    present = [v for v in values if v is not None]
+    return pick(present) if present else None
+
+
+def _mean(values: list[Optional[float]]) -> Optional[float]:
+    present = [v for v in values if v is not None]
+    return statistics.fmean(present) if present else None
+
+
+def aggregate(mode: Mode, per_rank: list[dict]) -> dict[str, Any]:
+    """One mode's row from every rank's `ModeResult.to_dict()`.
+
+    Times are the slowest rank's median (the step waits for it), syncs and all-reduces the most
+    any rank made, bytes the mean per rank, memory the largest rank's peak.
+    """
+    status = max((r["status"] for r in per_rank), key=_STATUS_ORDER.index)
+    detail = next((r["detail"] for r in per_rank if r["status"] == status and r["detail"]), "")
+    equalities = {r["equality"] for r in per_rank}
+    equality = next((e for e in ("differs", "close", "bitwise") if e in equalities), "")
+    runaheads = [r["runahead"] for r in per_rank if r["runahead"]]
+    first = per_rank[0]
+    return dict(
+        name=mode.name,
+        summary=mode.summary,
+        flags=list(mode.flags),
+        status=status,
+        detail=detail,
+        equal_to_blocking=equality,
+        max_rel_error=max(r["max_rel_error"] for r in per_rank),
+        step_ms=_worst([_median(r["step_ms"]) for r in per_rank]),
+        host_step_ms=_worst([_median(r["host_step_ms"]) for r in per_rank]),
+        dispatch_host_ms=_worst([_median(r["dispatch_host_ms"]) for r in per_rank]),
+        host_syncs_per_step=_worst([r["host_syncs_per_step"] for r in per_rank]),
+        sync_examples=first["sync_examples"],
+        all_reduces_per_step=_worst([r["all_reduces_per_step"] for r in per_rank]),
+        bytes_sent_per_step=_mean([r["bytes_sent_per_step"] for r in per_rank]),
+        bytes_sent_per_dispatch=_mean([r["bytes_sent_per_dispatch"] for r in per_rank]),
+        routing_map_bytes_allocated_per_step=_mean([r["routing_map_bytes_allocated_per_step"] for r in per_rank]),
+        peak_step_memory_bytes=_worst([r["peak_step_memory_bytes"] for r in per_rank]),
+        blocking_dispatches_per_step=first["blocking_dispatches_per_step"],
+        non_blocking_dispatches_per_step=first["non_blocking_dispatches_per_step"],
+        capacities=first["capacities"],
+        overflows=None if first["overflows"] is None else sum(r["overflows"] or 0 for r in per_rank),
+        runahead=None
+        if not runaheads
+        else dict(
+            ran_ahead=all(r["ran_ahead"] for r in runaheads),
+            host_idle_ms=max(r["host_idle_ms"] for r in runaheads),
+            host_behind_sleep_ms=max(r["host_behind_sleep_ms"] for r in runaheads),
+            gpu_sleep_ms=min(r["gpu_sleep_ms"] for r in runaheads),
+        ),
+        per_rank=per_rank,
+    )
+
+
+def add_ratios(rows: list[dict]) -> None:
+    """`step_vs_stock`: each mode's step time over stock Megatron's (None without it)."""
+    stock = next((r["step_ms"] for r in rows if r["name"] == STOCK and r["step_ms"]), None)
+    for row in rows:
+        row["step_vs_stock"] = row["step_ms"] / stock if stock and row["step_ms"] else None
+
+
+def failures(rows: list[dict]) -> list[str]:
+    return [f"{r['name']}: {r['status']}: {r['detail']}" for r in rows if r["status"] in ("differs", "failed")]
+
+
+def _fmt(value, spec: str, none: str = "-") -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return none
+    return format(value, spec)
+
+
+def _bytes(value: Optional[float]) -> str:
+    if value is None:
+        return "-"
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if value >= size:
+            return f"{value / size:.1f} {unit}"
+    return f"{value:.0f} B"
+
+
+def table(rows: list[dict], cuda: bool) -> str:
+    header = ["mode", "vs blocking", "step ms", "x stock", "dispatch host ms", "syncs/step", "all-reduces/step"]
+    header += ["ran ahead", "peak step mem"] if cuda else []
+    header += ["map alloc/step", "sent/dispatch", "overflows"]
+    lines = []
+    for r in rows:
+        if r["status"] == "skipped":
+            lines.append([r["name"], "skipped"] + [""] * (len(header) - 2))
+            continue
+        equal = r["equal_to_blocking"]
+        if equal != "bitwise" and r["max_rel_error"]:
+            equal = f"{equal} ({r['max_rel_error']:.1e})"
+        cells = [
+            r["name"],
+            equal,
+            _fmt(r["step_ms"], ".2f"),
+            _fmt(r["step_vs_stock"], ".2f"),
+            _fmt(r["dispatch_host_ms"], ".3f"),
+            _fmt(r["host_syncs_per_step"], "d"),
+            _fmt(r["all_reduces_per_step"], "d"),
+        ]
+        if cuda:
+            ahead = r["runahead"]
+            cells.append("-" if ahead is None else ("yes" if ahead["ran_ahead"] else "no"))
+            cells.append(_bytes(r["peak_step_memory_bytes"]))
+        cells += [_bytes(r["routing_map_bytes_allocated_per_step"]), _bytes(r["bytes_sent_per_dispatch"])]
+        cells += [_fmt(r["overflows"], "d")]
+        lines.append(cells)
+    widths = [max(len(str(row[i])) for row in [header, *lines]) for i in range(len(header))]
+    render = [
+        "  ".join(str(c).ljust(w) if i == 0 else str(c).rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
+        for row in [header, *lines]
+    ]
+    render.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(render)
+
+
+def legend(rows: list[dict], cuda: bool, sizes) -> str:
+    clock = "CUDA events" if cuda else "the host clock"
+    lines = [
+        f"step ms: median of {sizes.steps} timed forward+backward steps ({clock}), slowest rank; x stock: over "
+        "stock Megatron's.",
+        "dispatch host ms: host time of one forward dispatch call (MoELayer.preprocess + dispatch), median, slowest "
+        "rank.",
+        "syncs/step: host reads of device values in one step, counted by megatron_ext.sync.count_host_syncs.",
+    ]
+    if not cuda:
+        lines.append(
+            "On CPU the ranks share a few cores, so times say little about a GPU; the counts (syncs, all-reduces, "
+            "bytes, allocations) and the checks carry over."
+        )
+    if cuda:
+        lines.append("ran ahead: the host enqueued a whole step while the GPU slept (megatron_ext.sync.runahead_probe)")
+        lines.append("peak step mem: the largest rank's peak allocation during a step, above its start.")
+    lines += [
+        "map alloc/step: routing-map all-gather bytes allocated per step and rank ('-': no such gather, or not "
+        "visible).",
+        "sent/dispatch: bytes a rank hands collectives for other ranks in one forward dispatch ('-': not visible).",
+        "modes:",
+    ]
+    for r in rows:
+        lines.append(f"  {r['name']}: {r['summary']}")
+        lines.append("      " + " ".join(r["flags"]))
+        if r["detail"]:
+            lines.append("      " + r["detail"])
+    return "\n".join(lines)
+
+
+def write_json(path: str, report: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(report, f, indent=2)
+        f.write("\n")
+
+
+def write_plot(path: str, rows: list[dict], title: str) -> None:
+    """A PNG: step time and host syncs per step, one bar per mode that ran."""
+    import logging
+
+    import matplotlib
+
+    logging.getLogger("matplotlib").setLevel(logging.WARNING)
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ran = [r for r in rows if r["status"] != "skipped" and r["step_ms"] is not None]
+    names = [r["name"] for r in ran]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 0.5 * len(ran) + 2), sharey=True)
+    steps = left.barh(names, [r["step_ms"] for r in ran], color="tab:blue")
+    left.bar_label(steps, fmt="%.2f", padding=2, fontsize=8)
+    left.set_xlabel("step time, ms (median)")
+    syncs = right.barh(names, [r["host_syncs_per_step"] or 0 for r in ran], color="tab:red")
+    right.bar_label(syncs, fmt="%d", padding=2, fontsize=8)
+    right.set_xlabel("host synchronisations per step")
+    left.invert_yaxis()
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,405 @@
+"""One rank's work: build the same MoE stack in every mode, check it, count it, time it.
+
+Per mode, in this order (the same inputs and weights in every mode):
+1. `check_steps` forward+backward steps (the first one calibrates capacity mode); outputs, input
+   gradients and every parameter gradient are compared with the blocking mode's;
+2. `warmup` steps;
+3. one step under `count_host_syncs()` and `count_collectives()`: host syncs, all-reduces and
+   bytes sent per step and per forward dispatch;
+4. `steps` timed steps (CUDA events on a GPU, the host clock on CPU): step time, host time of
+   each forward dispatch, peak memory above the step's start (GPU), routing-map bytes allocated;
+5. on a GPU, `runahead_probe()`: does the host enqueue a step while the GPU sleeps?
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_ext.bench.counters import DispatchTimer, count_collectives
+from megatron_ext.bench.modes import BLOCKING, Mode
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """The stack and the run; the same for every mode."""
+
+    layers: int
+    tokens: int  # per rank
+    hidden: int
+    ffn_hidden: int
+    experts: int
+    topk: int
+    dtype: str  # 'bf16' | 'fp16' | 'fp32'
+    skew: float
+    capacity_factor: float
+    steps: int
+    check_steps: int
+    warmup: int
+    seed: int
+    runahead_sleep_ms: float = 300.0
+
+
+@dataclass
+class ModeResult:
+    """One mode on one rank. None: not measured for this mode or on this device."""
+
+    name: str
+    status: str = "ok"  # 'ok' | 'skipped' | 'differs' | 'failed'
+    detail: str = ""
+    equality: str = ""  # 'bitwise' | 'close' | 'differs' (against blocking)
+    max_rel_error: float = 0.0
+    step_ms: list[float] = field(default_factory=list)
+    host_step_ms: list[float] = field(default_factory=list)
+    dispatch_host_ms: list[float] = field(default_factory=list)
+    host_syncs_per_step: Optional[int] = None
+    sync_examples: list[str] = field(default_factory=list)
+    all_reduces_per_step: Optional[int] = None
+    bytes_sent_per_step: Optional[int] = None
+    bytes_sent_per_dispatch: Optional[float] = None
+    routing_map_bytes_allocated_per_step: Optional[float] = None
+    peak_step_memory_bytes: Optional[int] = None
+    blocking_dispatches_per_step: Optional[float] = None
+    non_blocking_dispatches_per_step: Optional[float] = None
+    capacities: list[int] = field(default_factory=list)
+    overflows: Optional[int] = None
+    runahead: Optional[dict] = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# How far a mode that sums in another order may be from blocking: ||a - b|| / ||b||.
+CLOSE_TOLERANCE = {"fp32": 1e-4, "bf16": 3e-2, "fp16": 1e-2}
+
+
+def megatron_config(sizes: Sizes, world_size: int, device: torch.device, mode: Mode):
+    from megatron_ext.config import HybridEPTransformerConfig
+
+    dtype = DTYPES[sizes.dtype]
+    base = dict(
+        num_layers=sizes.layers,
+        hidden_size=sizes.hidden,
+        num_attention_heads=1,
+        num_moe_experts=sizes.experts,
+        moe_router_topk=sizes.topk,
+        moe_ffn_hidden_size=sizes.ffn_hidden,
+        expert_model_parallel_size=world_size,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        add_bias_linear=False,
+        moe_router_dtype="fp32",
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+        bias_activation_fusion=False,
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        use_cpu_initialization=device.type == "cpu",
+    )
+    return HybridEPTransformerConfig(**{**base, **mode.overrides})
+
+
+class MoEStack(torch.nn.Module):
+    """`layers` Megatron MoE layers in sequence, each with a residual: x + moe(x)."""
+
+    def __init__(self, config, layers: int):
+        super().__init__()
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+        from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
+
+        from megatron_ext.experts import GroupedMLP
+
+        spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False)
+        shared = spec.submodules.mlp.keywords["submodules"].shared_experts
+        # The same experts in every mode (counts read on the device), so modes differ in dispatch alone.
+        submodules = MoESubmodules(experts=GroupedMLP, shared_experts=shared)
+        self.layers = torch.nn.ModuleList(
+            MoELayer(config, submodules=submodules, layer_number=i + 1) for i in range(layers)
+        )
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = x + layer(x)[0]
+        return x
+
+
+def make_inputs(sizes: Sizes, rank: int, count: int, device: torch.device) -> list[torch.Tensor]:
+    """Fresh `[T, 1, H]` inputs per step and rank; `skew` adds a fixed +-1 vector to every token."""
+    generator = torch.Generator().manual_seed(sizes.seed * 7919 + rank)
+    direction = torch.randint(0, 2, (sizes.hidden,), generator=torch.Generator().manual_seed(sizes.seed)) * 2 - 1
+    dtype = DTYPES[sizes.dtype]
+    return [
+        (torch.randn(sizes.tokens, 1, sizes.hidden, generator=generator) + sizes.skew * direction).to(
+            device=device, dtype=dtype
+        )
+        for _ in range(count)
+    ]
+
+
+class _Runner:
+    def __init__(self, sizes: Sizes, rank: int, world_size: int, device: torch.device, progress: Callable):
+        self.sizes, self.rank, self.world_size, self.device = sizes, rank, world_size, device
+        self.progress = progress
+        self.steps_per_mode = sizes.check_steps + sizes.warmup + 1 + sizes.steps
+        self.inputs = make_inputs(sizes, rank, self.steps_per_mode, device)
+        shape = self.inputs[0].shape
+        self.loss_weights = torch.linspace(-1.0, 1.0, shape.numel(), device=device).view(shape)
+        self.weights: Optional[dict] = None  # the first stack's state, loaded into every other
+        self.reference: Optional[list] = None  # blocking's check results, on the host
+        self.expert_load: Optional[float] = None
+
+    # ------------------------------------------------------------- one step
+
+    def step(self, stack, x):
+        x = x.detach().requires_grad_(True)
+        stack.zero_grad(set_to_none=True)
+        out = stack(x)
+        (out.float() * self.loss_weights).sum().backward()
+        return out, x.grad
+
+    def snapshot(self, stack, out, grad) -> list[torch.Tensor]:
+        tensors = [out.detach(), grad]
+        tensors += [p.grad for _, p in sorted(stack.named_parameters()) if p.grad is not None]
+        return [t.detach().to("cpu", copy=True) for t in tensors]
+
+    # ------------------------------------------------------------- one mode
+
+    def run(self, mode: Mode) -> ModeResult:
+        result = ModeResult(mode.name)
+        config = megatron_config(self.sizes, self.world_size, self.device, mode)
+        stack = MoEStack(config, self.sizes.layers).to(self.device)
+        if self.weights is None:
+            self.weights = {k: v.detach().to("cpu", copy=True) for k, v in stack.state_dict().items()}
+        else:
+            stack.load_state_dict(self.weights)
+        managers = _our_managers(stack)
+        overflow = _count_overflows(managers, self.device)
+        timer = DispatchTimer(stack.layers)
+        inputs = iter(self.inputs)
+        try:
+            self._check(stack, mode, result, inputs)
+            for _ in range(self.sizes.warmup):
+                self.step(stack, next(inputs))
+                self.progress()
+            self._count(stack, timer, result, next(inputs))
+            self._time(stack, timer, managers, result, inputs)
+            if self.device.type == "cuda":
+                probe_step = functools.partial(self.step, stack, self.inputs[-1])
+                result.runahead = _runahead(probe_step, self.sizes.runahead_sleep_ms)
+            if any(m.capacity is not None for m in managers):
+                result.overflows = int(overflow.item())
+                result.capacities = [m.capacity for m in managers if m.capacity is not None]
+        finally:
+            del stack, timer, managers
+            _release()
+        return result
+
+    def _check(self, stack, mode, result, inputs) -> None:
+        snapshots = []
+        for _ in range(self.sizes.check_steps):
+            out, grad = self.step(stack, next(inputs))
+            snapshots.append(self.snapshot(stack, out, grad))
+            if mode.name == BLOCKING and self.expert_load is None:
+                self.expert_load = _expert_load(stack)
+            self.progress()
+        if mode.name == BLOCKING:
+            self.reference = snapshots
+            result.equality = "bitwise"
+            return
+        bitwise, error = _compare(self.reference, snapshots)
+        result.max_rel_error = error
+        if bitwise:
+            result.equality = "bitwise"
+        elif mode.equality == "close" and error <= CLOSE_TOLERANCE[self.sizes.dtype]:
+            result.equality = "close"
+        else:
+            result.equality = "differs"
+            result.status = "differs"
+            expected = "bitwise" if mode.equality == "bitwise" else f"within {CLOSE_TOLERANCE[self.sizes.dtype]:g}"
+            result.detail = (
+                f"outputs/gradients differ from blocking on rank {self.rank}: relative error {error:.3g}, "
+                f"expected {expected}"
+            )
+
+    def _count(self, stack, timer, result, x) -> None:
+        from megatron_ext.sync import count_host_syncs
+
+        stats_before = _dispatch_counts(stack)
+        with count_collectives() as collectives, count_host_syncs() as syncs:
+            timer.collectives = collectives
+            self.step(stack, x)
+            timer.collectives = None
+        result.host_syncs_per_step = syncs.count
+        result.sync_examples = sorted({e.what for e in syncs.events})[:5]
+        result.all_reduces_per_step = collectives.all_reduces
+        result.bytes_sent_per_step = collectives.bytes_sent
+        if timer.dispatch_bytes:
+            result.bytes_sent_per_dispatch = statistics.fmean(timer.dispatch_bytes)
+        after = _dispatch_counts(stack)
+        if stats_before is not None:
+            result.blocking_dispatches_per_step = after[0] - stats_before[0]
+            result.non_blocking_dispatches_per_step = after[1] - stats_before[1]
+        self.progress()
+
+    def _time(self, stack, timer, managers, result, inputs) -> None:
+        cuda = self.device.type == "cuda"
+        gathers_before = _routing_map_bytes(managers)
+        events = []
+        peaks = []
+        timer.enabled = True
+        for _ in range(self.sizes.steps):
+            x = next(inputs)
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+                resting = torch.cuda.memory_allocated()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+            host_start = time.perf_counter()
+            self.step(stack, x)
+            result.host_step_ms.append((time.perf_counter() - host_start) * 1e3)
+            if cuda:
+                end.record()
+                events.append((start, end))
+                peaks.append(torch.cuda.max_memory_allocated() - resting)
+            self.progress()
+        timer.enabled = False
+        if cuda:
+            torch.cuda.synchronize()
+            result.step_ms = [s.elapsed_time(e) for s, e in events]
+            result.peak_step_memory_bytes = max(peaks)
+        else:
+            result.step_ms = list(result.host_step_ms)
+        result.dispatch_host_ms = timer.samples_ms
+        gathers_after = _routing_map_bytes(managers)
+        if gathers_before is not None and gathers_after is not None:
+            result.routing_map_bytes_allocated_per_step = (gathers_after - gathers_before) / self.sizes.steps
+
+
+def _our_managers(stack) -> list:
+    from megatron_ext.dispatcher import HybridEPCapacityManager
+
+    managers = [getattr(layer.token_dispatcher, "_comm_manager", None) for layer in stack.layers]
+    return [m for m in managers if isinstance(m, HybridEPCapacityManager)]
+
+
+def _count_overflows(managers, device) -> torch.Tensor:
+    """Add every non-blocking dispatch's overflow flag into one device counter (no host read)."""
+    total = torch.zeros((), dtype=torch.int64, device=device)
+    for manager in managers:
+        check = manager._assert_no_overflow
+
+        def counted(handle, check=check):
+            from megatron_ext.hybridep import OVERFLOW_FLAG_INDEX
+
+            total.add_(handle[OVERFLOW_FLAG_INDEX][0])
+            return check(handle)
+
+        manager._assert_no_overflow = counted
+    return total
+
+
+def _dispatch_counts(stack) -> Optional[tuple[int, int]]:
+    managers = _our_managers(stack)
+    if not managers:
+        return None
+    return (
+        sum(m.stats.blocking_dispatches for m in managers),
+        sum(m.stats.non_blocking_dispatches for m in managers),
+    )
+
+
+def _routing_map_bytes(managers) -> Optional[int]:
+    """Routing-map bytes allocated so far by the buffers these managers dispatched through."""
+    buffers = {id(m._last_buffer): m._last_buffer for m in managers if m._last_buffer is not None}
+    gathers = [getattr(b, "routing_map_gather", None) for b in buffers.values()]
+    if not gathers or any(g is None for g in gathers):
+        return None  # Megatron's own dispatch, or deep_ep's buffer: not counted here
+    return sum(g.stats.bytes_allocated for g in gathers)
+
+
+def _expert_load(stack) -> Optional[float]:
+    """max / mean tokens per expert in the first layer's latest dispatch, over the EP group."""
+    managers = _our_managers(stack)
+    if not managers or managers[0].tokens_per_expert is None:
+        return None
+    local = managers[0].tokens_per_expert.to(torch.float64)
+    world = dist.get_world_size(managers[0].group)
+    everyone = torch.empty(world * local.numel(), dtype=local.dtype, device=local.device)
+    dist.all_gather_into_tensor(everyone, local.contiguous(), group=managers[0].group)
+    return float(everyone.max() / everyone.mean().clamp_min(1e-9))
+
+
+def _compare(reference: list, actual: list) -> tuple[bool, float]:
+    """(every tensor bitwise equal, worst ||a - b|| / ||b|| over the tensors)."""
+    bitwise, worst = True, 0.0
+    for ref_step, act_step in zip(reference, actual, strict=True):
+        for ref, act in zip(ref_step, act_step, strict=True):
+            if ref.shape != act.shape:
+                return False, float("inf")
+            if torch.equal(ref, act):
+                continue
+            bitwise = False
+            diff = (act.double() - ref.double()).norm()
+            worst = max(worst, float(diff / ref.double().norm().clamp_min(1e-30)))
+    return bitwise, worst
+
+
+def _runahead(step, sleep_ms: float) -> dict:
+    from megatron_ext.sync import runahead_probe
+
+    probe = runahead_probe(step, sleep_ms=sleep_ms)
+    return dict(
+        host_idle_ms=probe.host_idle_ms,
+        host_behind_sleep_ms=probe.host_behind_sleep_ms,
+        gpu_sleep_ms=probe.gpu_sleep_ms,
+        ran_ahead=not probe.waited,
+    )
+
+
+def _release() -> None:
+    from megatron_ext.hybridep.allgather import release_shared_routing_map_buffers
+    from megatron_ext.hybridep.buffers import release_buffers
+
+    release_buffers()
+    release_shared_routing_map_buffers()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def run_modes(
+    sizes: Sizes,
+    modes: tuple[Mode, ...],
+    device: torch.device,
+    progress: Callable[[], None] = lambda: None,
+    starting: Callable[[str], None] = lambda name: None,
+) -> tuple[list[ModeResult], dict[str, Any]]:
+    """Run every mode on this rank (all ranks call this together). Returns the results and facts.
+
+    `progress()` is called after every step, `starting(name)` before each mode.
+    """
+    from megatron_ext.options import deep_ep_import_error
+
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    runner = _Runner(sizes, rank, world_size, device, progress)
+    deep_ep_error = deep_ep_import_error()
+    results = []
+    for mode in sorted(modes, key=lambda m: m.name != BLOCKING):  # the reference first
+        starting(mode.name)
+        if mode.needs_deep_ep and deep_ep_error is not None:
+            results.append(ModeResult(mode.name, status="skipped", detail=f"deep_ep does not import: {deep_ep_error}"))
+            for _ in range(runner.steps_per_mode):
+                progress()
+            continue
+        results.append(runner.run(mode))
+    return results, dict(expert_load_max_over_mean=runner.expert_load)
