@@ -36,7 +36,7 @@ def parser() -> argparse.ArgumentParser:
         epilog="Modes: " + ", ".join(m.name for m in all_modes(1.5)) + " (deep_ep ones where deep_ep imports).",
     )
     size = p.add_argument_group("the MoE stack (the same in every mode)")
-    size.add_argument("--layers", type=int, default=2, help="MoE layers in sequence (default 2)")
+    size.add_argument("--layers", type=int, default=2, help="MoE layers, each on the same input (default 2)")
     size.add_argument("--tokens", type=int, default=256, help="tokens per rank (default 256)")
     size.add_argument("--hidden", type=int, default=128, help="hidden size (default 128)")
     size.add_argument("--ffn-hidden", type=int, default=128, help="each expert's FFN hidden size (default 128)")
@@ -224,7 +224,7 @@ def _print_report(args, sizes, world_size, rows, facts, problems) -> None:
     cuda = args.device == "cuda"
     load = facts.get("expert_load_max_over_mean")
     title = (
-        f"megatron-ext-bench: {_machine(args, world_size)}; {sizes.layers} MoE layers, T {sizes.tokens}/rank, "
+        f"megatron-ext-bench: {_machine(args, world_size)}; {sizes.layers} MoE layers (summed), T {sizes.tokens}/rank, "
         f"H {sizes.hidden}, FFN {sizes.ffn_hidden}, E {sizes.experts}, top-{sizes.topk}, {sizes.dtype}, "
         f"skew {sizes.skew:g}, capacity factor {sizes.capacity_factor:g}"
     )

@@ -110,7 +110,13 @@ def megatron_config(sizes: Sizes, world_size: int, device: torch.device, mode: M
 
 
 class MoEStack(torch.nn.Module):
-    """`layers` Megatron MoE layers in sequence, each with a residual: x + moe(x)."""
+    """`layers` Megatron MoE layers that read the same input; their outputs are summed: x + sum(moe(x)).
+
+    Not chained on purpose: routing is discontinuous, so when a mode sums in another order (stock
+    Megatron in bf16) a rounding difference in layer 1 would change which experts layer 2 picks,
+    and no tolerance could tell that from a bug. Each layer's routing, dispatch, experts and
+    combine run as they do in a model, forward and backward, in sequence on one stream.
+    """
 
     def __init__(self, config, layers: int):
         super().__init__()
@@ -128,9 +134,10 @@ class MoEStack(torch.nn.Module):
         )
 
     def forward(self, x):
+        out = x
         for layer in self.layers:
-            x = x + layer(x)[0]
-        return x
+            out = out + layer(x)[0]
+        return out
 
 
 def make_inputs(sizes: Sizes, rank: int, count: int, device: torch.device) -> list[torch.Tensor]:
