@@ -237,3 +237,10 @@ def test_collective_counter_counts_bytes_to_other_ranks(world_size, tmp_path):
             counted = json.load(f)
         assert counted["bytes"] == counted["expected"], (rank, counted)
         assert counted["all_reduces"] == 1
+
+
+def test_console_script_is_installed():
+    script = os.path.join(os.path.dirname(sys.executable), "megatron-ext-bench")
+    result = subprocess.run([script, "--help"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "usage: megatron-ext-bench" in result.stdout and "--capacity-factor" in result.stdout

@@ -1,0 +1,316 @@
+"""Pretrain a GPT model with MoE layers on mock data, with megatron-ext's HybridEP dispatcher.
+
+A Megatron-Core 0.19 training entry point: it applies `megatron_ext.patches` itself, so Megatron's
+own parser knows the `--moe-hybridep-...` flags (and refuses bad combinations), then runs
+`megatron.training.pretrain` with a GPT model, a masked-mean language-model loss and Megatron's
+mock GPT dataset (no data files). Run it with torchrun, one process per GPU:
+
+    torchrun --nproc-per-node 8 examples/pretrain_moe.py --mock-data \\
+        --tokenizer-type NullTokenizer --vocab-size 32000 <model and training flags> \\
+        --num-experts 64 --moe-router-topk 8 --expert-model-parallel-size 8 \\
+        --moe-token-dispatcher-type flex --moe-flex-dispatcher-backend hybridep \\
+        --moe-hybridep-capacity-factor 1.5 --moe-hybridep-equal-token-counts
+
+or through the scripts beside it (smoke_1gpu.sh, ep8_single_node.sh, slurm_multinode.sbatch).
+
+Needs: CUDA GPUs, torch, megatron-core 0.19.x and megatron-ext installed. Transformer Engine,
+apex and deep_ep are optional: without TE, pass `--transformer-impl local` (and without apex
+`--no-gradient-accumulation-fusion --no-masked-softmax-fusion --no-persist-layer-norm`: those
+kernels are apex's or Megatron's own CUDA extensions, and torch's norm refuses the persistent
+layer norm); without deep_ep, megatron-ext dispatches through its torch buffer.
+
+Layers: Transformer Engine's layer spec with `--transformer-impl transformer_engine` where TE
+imports, else Megatron's local spec. The local spec has no grouped-GEMM experts (it builds
+SequentialMLP whatever `--moe-grouped-gemm` says), so with `--moe-grouped-gemm` this script builds
+`megatron_ext.experts.GroupedMLP`: the experts capacity mode uses anyway, so a blocking run and a
+capacity-mode run build the same weights and should report the same losses.
+
+`--megatron-ext-dry-run` parses and validates the flags with Megatron's own `parse_args` and
+`validate_args` (world size from WORLD_SIZE, default 1), builds the TransformerConfig and prints
+what a run would build, then exits: no GPU, no process group, any machine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import os
+import re
+import sys
+from unittest import mock
+
+import megatron_ext.patches
+import torch
+from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+from megatron.core.datasets.gpt_dataset import GPTDatasetConfig, MockGPTDataset
+from megatron.core.enums import ModelType
+from megatron.core.models.gpt import GPTModel, gpt_layer_specs
+from megatron.training import (
+    get_args,
+    get_timers,
+    get_tokenizer,
+    get_train_valid_test_num_samples,
+    pretrain,
+    print_rank_0,
+)
+from megatron.training.argument_utils import pretrain_cfg_container_from_args
+from megatron.training.arguments import (
+    core_transformer_config_from_args,
+    parse_and_validate_args,
+    parse_args,
+    validate_args,
+)
+from megatron.training.global_vars import set_args
+from megatron_ext.patches._moe_layer import select_experts
+
+import megatron_ext.arguments
+from megatron_ext.experts import GroupedMLP
+from megatron_ext.options import (
+    CONFIG_PREFIX,
+    OPTION_NAMES,
+    HybridEPOptions,
+    deep_ep_import_error,
+    flag,
+    resolve_implementation,
+)
+
+DRY_RUN = "--megatron-ext-dry-run"
+# What the dry run tells validate_args when it asks the GPU (it never asks the real one).
+ASSUMED_COMPUTE_CAPABILITY = (9, 0)
+
+
+def add_arguments(parser):
+    group = parser.add_argument_group("megatron-ext example")
+    group.add_argument(
+        DRY_RUN,
+        action="store_true",
+        help="Parse and validate the flags, print what would be built, and exit (no GPU needed).",
+    )
+    # Adds megatron-ext's flags only where the patch has not (it checks); always adds their checks.
+    return escape_stray_percent(megatron_ext.arguments.extra_args_provider(parser))
+
+
+def escape_stray_percent(parser):
+    """Let --help print: argparse formats help texts with %, and one of megatron-core 0.19.2's has a bare '%'."""
+    for action in parser._actions:
+        if isinstance(action.help, str):
+            action.help = re.sub(r"%%|%\(|%", lambda m: m.group(0) if len(m.group(0)) == 2 else "%%", action.help)
+    return parser
+
+
+def check_supported(args) -> None:
+    """Exit with a message for what this example does not do."""
+    if not args.mock_data:
+        sys.exit(f"{sys.argv[0]}: this example trains on mock data only; pass --mock-data.")
+    if args.context_parallel_size != 1:
+        sys.exit(f"{sys.argv[0]}: this example does not split sequences for context parallelism.")
+
+
+def use_local_spec(args) -> bool:
+    return args.transformer_impl != "transformer_engine" or not gpt_layer_specs.HAVE_TE
+
+
+def layer_spec(args, config):
+    """The spec of every layer: attention and a MoE MLP."""
+    if not use_local_spec(args):
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+            num_experts=config.num_moe_experts,
+            moe_grouped_gemm=config.moe_grouped_gemm,
+            qk_layernorm=config.qk_layernorm,
+        )
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(
+        num_experts=config.num_moe_experts,
+        moe_grouped_gemm=config.moe_grouped_gemm,
+        qk_layernorm=config.qk_layernorm,
+        normalization=config.normalization,
+    )
+    if config.moe_grouped_gemm:
+        moe = spec.submodules.mlp  # functools.partial(MoELayer, submodules=MoESubmodules(...))
+        submodules = dataclasses.replace(moe.keywords["submodules"], experts=GroupedMLP)
+        spec.submodules.mlp = functools.partial(moe, submodules=submodules)
+    return spec
+
+
+def model_provider(pre_process=True, post_process=True, vp_stage=None, config=None, pg_collection=None):
+    args = get_args()
+    config = config or core_transformer_config_from_args(args)
+    print_rank_0(f"building GPT model with {config.num_moe_experts} experts ...")
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec(args, config),
+        vocab_size=args.padded_vocab_size,
+        max_sequence_length=args.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        fp16_lm_cross_entropy=args.fp16_lm_cross_entropy,
+        parallel_output=True,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type,
+        rotary_percent=args.rotary_percent,
+        rotary_base=args.rotary_base,
+        vp_stage=vp_stage,
+        pg_collection=pg_collection,
+    )
+
+
+def loss_func(loss_mask, output_tensor):
+    """Sum of the unmasked token losses and their count: Megatron's schedule divides the one by
+    the other (a masked mean) and logs sum/count over the global batch as 'lm loss'."""
+    losses = output_tensor.float().view(-1)
+    mask = loss_mask.float().view(-1)
+    loss = torch.sum(losses * mask)
+    num_tokens = mask.sum().to(torch.int)
+    return loss, num_tokens, {"lm loss": torch.stack([loss.detach(), num_tokens.to(loss.dtype)])}
+
+
+def forward_step(data_iterator, model):
+    timers = get_timers()
+    timers("batch-generator", log_level=2).start()
+    batch = {key: value.cuda(non_blocking=True) for key, value in next(data_iterator).items()}
+    timers("batch-generator").stop()
+    output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"), labels=batch["labels"])
+    return output, functools.partial(loss_func, batch["loss_mask"])
+
+
+def train_valid_test_datasets_provider(train_valid_test_num_samples, vp_stage=None):
+    args = get_args()
+    config = GPTDatasetConfig(
+        random_seed=args.seed,
+        sequence_length=args.seq_length,
+        split=args.split,
+        tokenizer=get_tokenizer(),
+        reset_position_ids=args.reset_position_ids,
+        reset_attention_mask=args.reset_attention_mask,
+        eod_mask_loss=args.eod_mask_loss,
+        create_attention_mask=args.create_attention_mask_in_dataloader,
+        path_to_cache=args.data_cache_path,
+    )
+    # Every rank reads its own batches (mock data costs nothing), so no rank waits for a broadcast:
+    # the ranks of one tensor-parallel group share a data-parallel rank and read the same samples.
+    return BlendedMegatronDatasetBuilder(MockGPTDataset, train_valid_test_num_samples, lambda: True, config).build()
+
+
+# Megatron builds a data loader on every rank, not only on tensor-parallel rank 0, when set.
+train_valid_test_datasets_provider.is_distributed = True
+
+
+def use_prebuilt_dataset_helpers() -> None:
+    """Skip Megatron's start-up `make` of its dataset helpers where they come prebuilt.
+
+    Rank 0 runs `make -C megatron/core/datasets` at start and exits when it fails; the
+    megatron-core wheel ships the built `helpers_cpp` but no Makefile there, so it always fails.
+    """
+    import megatron.core.datasets.utils as dataset_utils
+
+    if os.path.exists(os.path.join(os.path.dirname(dataset_utils.__file__), "Makefile")):
+        return  # a source checkout: let Megatron build them
+    try:
+        from megatron.core.datasets import helpers_cpp  # noqa: F401
+    except ImportError:
+        return  # nothing prebuilt: Megatron's own step reports it
+    dataset_utils.compile_helpers = lambda: None
+
+
+def expert_grid(args) -> int:
+    """Ranks per expert-data-parallel replica: PP x EP x expert TP."""
+    return args.pipeline_model_parallel_size * args.expert_model_parallel_size * args.expert_tensor_parallel_size
+
+
+def _qualname(builder) -> str:
+    while isinstance(builder, functools.partial):
+        builder = builder.func
+    return f"{builder.__module__}.{builder.__qualname__}"
+
+
+def describe(args, config) -> list[tuple[str, object]]:
+    """What a run with these arguments would build, as (name, value) pairs."""
+    options = HybridEPOptions.from_config(config)
+    moe_submodules = layer_spec(args, config).submodules.mlp.keywords["submodules"]
+    implementation = resolve_implementation(options.implementation)
+    deep_ep_missing = deep_ep_import_error()
+    rows = [
+        ("world size", args.world_size),
+        ("tensor parallel", args.tensor_model_parallel_size),
+        ("pipeline parallel", args.pipeline_model_parallel_size),
+        ("expert parallel", args.expert_model_parallel_size),
+        ("expert tensor parallel", args.expert_tensor_parallel_size),
+        ("data parallel", args.data_parallel_size),
+        ("expert data parallel", args.world_size // expert_grid(args)),
+        ("layers", config.num_layers),
+        ("hidden size", config.hidden_size),
+        ("attention heads", config.num_attention_heads),
+        ("ffn hidden size", config.ffn_hidden_size),
+        ("sequence length", args.seq_length),
+        ("micro batch size", args.micro_batch_size),
+        ("global batch size", args.global_batch_size),
+        ("experts", config.num_moe_experts),
+        ("top-k", config.moe_router_topk),
+        ("expert ffn hidden size", config.moe_ffn_hidden_size),
+        ("params dtype", config.params_dtype),
+        ("transformer impl", args.transformer_impl),
+        ("layer spec", "local" if use_local_spec(args) else "transformer_engine"),
+        ("dispatcher", config.moe_token_dispatcher_type),
+        ("flex backend", config.moe_flex_dispatcher_backend),
+    ]
+    rows += [(flag(CONFIG_PREFIX + name), getattr(options, name)) for name in OPTION_NAMES]
+    rows += [
+        ("capacity mode", "on" if options.capacity_factor is not None else "off"),
+        ("hybridep implementation", implementation + (f" (deep_ep: {deep_ep_missing})" if deep_ep_missing else "")),
+        ("experts in the spec", _qualname(moe_submodules.experts)),
+        ("experts built", _qualname(select_experts(config, moe_submodules).experts)),
+        ("train iterations", args.train_iters),
+        ("samples (train, valid, test)", get_train_valid_test_num_samples()),
+        ("gpu checks", "skipped: validation assumed compute capability {}.{}".format(*ASSUMED_COMPUTE_CAPABILITY)),
+    ]
+    return rows
+
+
+@contextlib.contextmanager
+def no_gpu_queries():
+    """Answer validate_args' questions to the GPU (with --moe-grouped-gemm, or TP/CP > 1) without one."""
+    major, minor = ASSUMED_COMPUTE_CAPABILITY
+    with (
+        mock.patch("torch.cuda.get_device_capability", return_value=(major, minor)),
+        mock.patch("megatron.training.arguments.get_device_arch_version", return_value=major),
+    ):
+        yield
+
+
+def dry_run() -> None:
+    args = parse_args(extra_args_provider=add_arguments)
+    check_supported(args)
+    with no_gpu_queries():
+        validate_args(args)
+    if args.world_size % expert_grid(args):
+        # validate_args leaves this to the process-group setup, which a dry run never reaches.
+        sys.exit(
+            f"{sys.argv[0]}: world size {args.world_size} is not a multiple of pipeline x expert x expert-tensor "
+            f"parallel = {expert_grid(args)}; change --expert-model-parallel-size or the number of GPUs."
+        )
+    config = core_transformer_config_from_args(args)
+    set_args(args)  # what get_train_valid_test_num_samples reads
+    print("megatron-ext dry run: nothing built, no GPU or process group used")
+    for name, value in describe(args, config):
+        print(f"{name}: {value}")
+
+
+def main() -> None:
+    megatron_ext.patches.apply()  # before Megatron parses: the flags come from the patched config
+    if DRY_RUN in sys.argv[1:]:
+        dry_run()
+        return
+    args = parse_and_validate_args(extra_args_provider=add_arguments)
+    check_supported(args)
+    use_prebuilt_dataset_helpers()
+    pretrain(
+        pretrain_cfg_container_from_args(args),
+        train_valid_test_datasets_provider,
+        ModelType.encoder_or_decoder,
+        forward_step,
+        model_provider=model_provider,
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# Smoke test: a small GPT-MoE (4 layers, hidden 512, 8 experts, top-2) trains 10 iterations on
+# one GPU, mock data, bf16, the loss logged every iteration.
+#
+# Needs: one CUDA GPU (bf16; grouped GEMMs want compute capability >= 8.0), torch and
+# megatron-core 0.19.x, megatron-ext installed (pip install -e .). Needs neither Transformer
+# Engine nor apex: `--transformer-impl local` and the three `--no-...` flags below turn off what
+# would need them. deep_ep is optional (the dispatch runs on megatron-ext's torch buffer without it).
+#
+# megatron-ext flags, on Megatron's HybridEP flex dispatcher:
+#   --moe-hybridep-capacity-factor 1.5      capacity mode: after a calibration dispatch per layer,
+#                                           no host synchronisation in any dispatch
+#   --moe-hybridep-equal-token-counts       fixed micro-batch x sequence length: equal counts on
+#                                           every rank, so no all-reduce to pad them
+#   --moe-hybridep-reuse-allgather-buffer   one routing-map buffer instead of one per dispatch
+# MODE=blocking drops the first two (Megatron's blocking dispatch): the same run otherwise, so
+# the logged losses should match those of MODE=capacity (the default).
+#
+# Env: MODE=capacity|blocking, PYTHON (default python), DRY_RUN=1 (check the flags with
+# Megatron's parser on any machine, no GPU: pretrain_moe.py --megatron-ext-dry-run).
+# Extra arguments go to pretrain_moe.py after these (a later flag wins).
+set -euo pipefail
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+PYTHON=${PYTHON:-python}
+MODE=${MODE:-capacity}
+
+args=(
+  --transformer-impl local
+  # Without apex or Megatron's CUDA extensions: the fused wgrad accumulation and masked softmax
+  # kernels are missing, and torch's norm refuses the persistent layer norm.
+  --no-gradient-accumulation-fusion --no-masked-softmax-fusion --no-persist-layer-norm
+  --num-layers 4 --hidden-size 512 --num-attention-heads 8 --ffn-hidden-size 2048
+  --seq-length 512 --max-position-embeddings 512
+  --position-embedding-type rope --no-rope-fusion --normalization RMSNorm --swiglu
+  --disable-bias-linear --untie-embeddings-and-output-weights
+  --attention-dropout 0 --hidden-dropout 0
+  --num-experts 8 --moe-router-topk 2 --moe-ffn-hidden-size 1024 --moe-grouped-gemm
+  --moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 1e-2
+  --moe-token-dispatcher-type flex --moe-flex-dispatcher-backend hybridep
+  --moe-hybridep-reuse-allgather-buffer
+  --micro-batch-size 2 --global-batch-size 2
+  --bf16 --lr 1e-4 --lr-decay-style constant --seed 1234
+  # No evaluation; megatron-core 0.19.2 still divides by --eval-interval, which has no default.
+  --train-iters 10 --eval-iters 0 --eval-interval 10 --log-interval 1
+  --mock-data --tokenizer-type NullTokenizer --vocab-size 32000
+)
+case $MODE in
+  capacity) args+=(--moe-hybridep-capacity-factor 1.5 --moe-hybridep-equal-token-counts) ;;
+  blocking) ;;
+  *) echo "MODE must be capacity or blocking, not '$MODE'" >&2; exit 2 ;;
+esac
+args+=("$@")
+
+if [[ ${DRY_RUN:-0} == 1 ]]; then
+  WORLD_SIZE=1 exec "$PYTHON" "$here/pretrain_moe.py" "${args[@]}" --megatron-ext-dry-run
+fi
+exec "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node 1 "$here/pretrain_moe.py" "${args[@]}"

@@ -1,0 +1,220 @@
+"""The example launch scripts, on CPU: their flags through Megatron's own parser, and their command lines.
+
+Each script's `DRY_RUN=1` runs `examples/pretrain_moe.py --megatron-ext-dry-run` with the arguments
+it would train with, which parses and validates them with Megatron's `parse_args`/`validate_args`
+and prints what it would build. A dry run spends about 10 s importing Megatron, so all of them
+start at once, in one module fixture. The real command lines are read through a stand-in
+interpreter (and stand-in `srun`/`scontrol`) that records its arguments instead of training.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLES = REPO / "examples"
+PRETRAIN = EXAMPLES / "pretrain_moe.py"
+DRY_RUN_FLAG = "--megatron-ext-dry-run"
+# Variables the scripts read; the test sets each one it wants, and inherits none.
+SCRIPT_VARS = ("MODE", "GPUS", "DRY_RUN", "PYTHON", "WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_PORT")
+SLURM = {"SLURM_NNODES": "3", "SLURM_JOB_NODELIST": "node[01-03]", "SLURM_JOB_ID": "42"}
+
+# name: (script, environment)
+DRY_RUNS = {
+    "smoke": ("smoke_1gpu.sh", {}),
+    "smoke-blocking": ("smoke_1gpu.sh", {"MODE": "blocking"}),
+    "ep8": ("ep8_single_node.sh", {}),
+    "slurm": ("slurm_multinode.sbatch", {**SLURM, "SLURM_SUBMIT_DIR": str(REPO)}),
+}
+FACTOR, EQUAL, REUSE = (
+    "--moe-hybridep-capacity-factor",
+    "--moe-hybridep-equal-token-counts",
+    "--moe-hybridep-reuse-allgather-buffer",
+)
+
+
+def script_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in SCRIPT_VARS and not k.startswith("SLURM_")}
+    return {**env, **extra}
+
+
+def report(stdout: str) -> dict[str, str]:
+    """The dry run's 'name: value' lines."""
+    assert "megatron-ext dry run:" in stdout, stdout[-2000:]
+    lines = stdout.split("megatron-ext dry run:", 1)[1].splitlines()[1:]
+    return dict(line.split(": ", 1) for line in lines if ": " in line)
+
+
+@pytest.fixture(scope="module")
+def stubs(tmp_path_factory) -> Path:
+    """A folder of stand-ins: `python` records its environment's WORLD_SIZE and its arguments to
+    $RECORD, one a line; `srun` runs its command (options written `--x=y`); `scontrol` names two hosts."""
+    folder = tmp_path_factory.mktemp("stubs")
+    scripts = {
+        "python": 'printf "WORLD_SIZE=%s\\n" "${WORLD_SIZE-}" > "$RECORD"; printf "%s\\n" "$@" >> "$RECORD"',
+        "srun": 'while [ "${1#--}" != "$1" ]; do shift; done; exec "$@"',
+        "scontrol": '[ "$1 $2" = "show hostnames" ] && printf "node01\\nnode02\\n"',
+    }
+    for name, body in scripts.items():
+        path = folder / name
+        path.write_text(f"#!/bin/sh\n{body}\n")
+        path.chmod(path.stat().st_mode | stat.S_IXUSR)
+    return folder
+
+
+def recorded_command(stubs: Path, tmp_path: Path, script: str, **env: str) -> tuple[str, list[str]]:
+    """(WORLD_SIZE, arguments) that `script` passes to its interpreter."""
+    record = tmp_path / "record"
+    env = script_env(PYTHON=str(stubs / "python"), RECORD=str(record), **env)
+    env["PATH"] = f"{stubs}{os.pathsep}{env['PATH']}"
+    result = subprocess.run(["bash", str(EXAMPLES / script)], env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    world_size, *argv = record.read_text().splitlines()
+    return world_size.removeprefix("WORLD_SIZE="), argv
+
+
+@pytest.fixture(scope="module")
+def smoke_args(stubs, tmp_path_factory) -> list[str]:
+    """The arguments smoke_1gpu.sh trains with."""
+    _, argv = recorded_command(stubs, tmp_path_factory.mktemp("smoke"), "smoke_1gpu.sh", DRY_RUN="1")
+    assert Path(argv[0]).resolve() == PRETRAIN and argv[-1] == DRY_RUN_FLAG
+    return argv[1:-1]
+
+
+@pytest.fixture(scope="module")
+def dry_runs(tmp_path_factory, smoke_args) -> dict[str, subprocess.CompletedProcess]:
+    """Every dry run, side by side: the scripts', pretrain_moe.py's with the smoke arguments and a
+    capacity factor below 1 ("invalid"), and pretrain_moe.py --help."""
+    folder = tmp_path_factory.mktemp("dry_runs")
+    commands = {
+        name: (["bash", str(EXAMPLES / script)], script_env(DRY_RUN="1", PYTHON=sys.executable, **env))
+        for name, (script, env) in DRY_RUNS.items()
+    }
+    invalid = [sys.executable, str(PRETRAIN), *smoke_args, FACTOR, "0.5", DRY_RUN_FLAG]
+    commands["invalid"] = (invalid, script_env())
+    commands["help"] = ([sys.executable, str(PRETRAIN), "--help"], script_env(COLUMNS="10000"))
+    running = {}
+    for name, (command, env) in commands.items():
+        with open(folder / f"{name}.out", "w") as out, open(folder / f"{name}.err", "w") as err:
+            running[name] = subprocess.Popen(command, env=env, cwd=folder, stdout=out, stderr=err)
+    return {
+        name: subprocess.CompletedProcess(
+            commands[name][0],
+            process.wait(timeout=600),
+            (folder / f"{name}.out").read_text(),
+            (folder / f"{name}.err").read_text(),
+        )
+        for name, process in running.items()
+    }
+
+
+def dry_run_report(dry_runs, name: str) -> dict[str, str]:
+    result = dry_runs[name]
+    assert result.returncode == 0, result.stderr[-3000:]
+    return report(result.stdout)
+
+
+def test_smoke_dry_run(dry_runs):
+    got = dry_run_report(dry_runs, "smoke")
+
+    assert got["world size"] == "1" and got["expert parallel"] == "1"
+    assert (got["layers"], got["hidden size"], got["experts"], got["top-k"]) == ("4", "512", "8", "2")
+    assert (got["dispatcher"], got["flex backend"]) == ("flex", "hybridep")
+    assert (got[FACTOR], got[EQUAL], got[REUSE]) == ("1.5", "True", "True")
+    assert got["capacity mode"] == "on"
+    assert got["params dtype"] == "torch.bfloat16"
+    # No TE or apex needed: the local spec, with megatron-ext's grouped-GEMM experts.
+    assert got["transformer impl"] == "local" and got["layer spec"] == "local"
+    assert got["experts built"] == "megatron_ext.experts.GroupedMLP"
+    assert got["samples (train, valid, test)"] == "(20, 0, 0)"
+
+
+def test_smoke_blocking_dry_run_differs_only_in_capacity_mode(dry_runs):
+    capacity = dry_run_report(dry_runs, "smoke")
+    blocking = dry_run_report(dry_runs, "smoke-blocking")
+
+    assert (blocking[FACTOR], blocking[EQUAL], blocking["capacity mode"]) == ("None", "False", "off")
+    # Everything else is the same run, experts included, so the losses can be compared.
+    differing = {name for name in capacity.keys() | blocking.keys() if capacity.get(name) != blocking.get(name)}
+    assert differing == {FACTOR, EQUAL, "capacity mode"}
+
+
+def test_ep8_dry_run(dry_runs):
+    got = dry_run_report(dry_runs, "ep8")
+
+    assert (got["world size"], got["expert parallel"], got["data parallel"]) == ("8", "8", "8")
+    assert got["expert data parallel"] == "1"
+    assert (got["layers"], got["hidden size"], got["experts"], got["top-k"]) == ("16", "2048", "64", "8")
+    assert (got["dispatcher"], got["flex backend"]) == ("flex", "hybridep")
+    assert (got[FACTOR], got[EQUAL], got[REUSE]) == ("1.5", "True", "True")
+
+
+def test_slurm_dry_run_takes_the_node_count_from_slurm(dry_runs):
+    got = dry_run_report(dry_runs, "slurm")
+
+    # 3 nodes of 8: experts over the 8 GPUs of a node, data parallel across the nodes.
+    assert (got["world size"], got["expert parallel"], got["expert data parallel"]) == ("24", "8", "3")
+    assert (got["experts"], got["top-k"]) == ("64", "8")
+    assert (got["dispatcher"], got["flex backend"]) == ("flex", "hybridep")
+    assert (got[FACTOR], got[EQUAL], got[REUSE]) == ("1.5", "True", "True")
+
+
+def test_slurm_dry_run_outside_slurm_assumes_two_nodes(stubs, tmp_path):
+    world_size, argv = recorded_command(stubs, tmp_path, "slurm_multinode.sbatch", DRY_RUN="1")
+
+    assert world_size == "16"
+    assert argv[argv.index("--expert-model-parallel-size") + 1] == "8"
+    assert argv[argv.index("--global-batch-size") + 1] == "64"
+
+
+def test_dry_run_refuses_a_capacity_factor_below_one(dry_runs):
+    result = dry_runs["invalid"]
+
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "error: --moe-hybridep-capacity-factor 0.5 would drop tokens" in result.stderr
+    assert "megatron-ext dry run:" not in result.stdout
+
+
+def test_help_lists_the_dry_run_and_megatron_ext_flags(dry_runs):
+    # Stock megatron-core 0.19.2 cannot print --help (a bare '%' in one of its help texts).
+    result = dry_runs["help"]
+
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert DRY_RUN_FLAG in result.stdout and FACTOR in result.stdout and EQUAL in result.stdout
+
+
+@pytest.mark.parametrize(
+    "script, env, launcher, world_size",
+    [
+        ("smoke_1gpu.sh", {}, ["--standalone", "--nproc-per-node", "1"], "1"),
+        ("ep8_single_node.sh", {}, ["--standalone", "--nproc-per-node", "8"], "8"),
+        ("ep8_single_node.sh", {"GPUS": "4"}, ["--standalone", "--nproc-per-node", "4"], "4"),
+        (
+            "slurm_multinode.sbatch",
+            {**SLURM, "SLURM_NNODES": "2", "SLURM_SUBMIT_DIR": str(REPO)},
+            ["--nnodes", "2", "--nproc-per-node", "8", "--rdzv-id", "42", "--rdzv-backend", "c10d"]
+            + ["--rdzv-endpoint", "node01:29500"],
+            "16",
+        ),
+    ],
+    ids=["smoke", "ep8", "ep8-gpus4", "slurm"],
+)
+@pytest.mark.parametrize("mode", ["capacity", "blocking"])
+def test_training_command_runs_the_dry_run_arguments(stubs, tmp_path, script, env, launcher, world_size, mode):
+    _, train = recorded_command(stubs, tmp_path, script, MODE=mode, **env)
+    dry_world_size, dry = recorded_command(stubs, tmp_path, script, MODE=mode, DRY_RUN="1", **env)
+
+    assert train[: 2 + len(launcher)] == ["-m", "torch.distributed.run", *launcher]
+    pretrain, *args = train[2 + len(launcher) :]
+    # the sbatch script runs from the submission directory (REPO here), the others from anywhere
+    assert (REPO / pretrain).resolve() == PRETRAIN
+    assert dry == [pretrain, *args, DRY_RUN_FLAG]
+    assert dry_world_size == world_size
+    assert (FACTOR in args and EQUAL in args) == (mode == "capacity")
+    assert REUSE in args
