@@ -1,4 +1,4 @@
-"""The main job (`python -m megatron_ext.roundtrip`) runs across spawned ranks and reports OK."""
+"""The buffer round trip (`python -m megatron_ext.roundtrip`) runs across spawned ranks and reports OK."""
 
 import subprocess
 import sys

@@ -142,8 +142,10 @@ def _machine(args, world_size: int) -> str:
 def _versions() -> dict:
     from importlib.metadata import PackageNotFoundError, version
 
-    found = {}
-    for package in ("megatron-ext", "megatron-core", "torch"):
+    import megatron_ext
+
+    found = {"megatron-ext": megatron_ext.__version__}
+    for package in ("megatron-core", "torch"):
         try:
             found[package] = version(package)
         except PackageNotFoundError:
