@@ -157,9 +157,10 @@ def _versions() -> dict:
 
 
 def _quiet(verbose: bool) -> None:
-    """Megatron's import-time warnings (no TE, no apex) say nothing about the bench; keep them out."""
+    """Megatron's import-time warnings (no TE, no apex; no CUDA toolkit on CPU) say nothing about the bench."""
     if not verbose:
         warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\..*")
+        logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
     logging.getLogger("megatron_ext").setLevel(logging.INFO if verbose else logging.WARNING)
 
 

@@ -184,6 +184,7 @@ class _Runner:
     def run(self, mode: Mode) -> ModeResult:
         result = ModeResult(mode.name)
         config = megatron_config(self.sizes, self.world_size, self.device, mode)
+        torch.manual_seed(self.sizes.seed)  # the same router on every rank, and the same run every time
         stack = MoEStack(config, self.sizes.layers).to(self.device)
         if self.weights is None:
             self.weights = {k: v.detach().to("cpu", copy=True) for k, v in stack.state_dict().items()}
