@@ -185,8 +185,7 @@ def _rank_main(rank: int, world_size: int, args, failure_dir: str) -> bool:
         model_parallel_cuda_manual_seed(args.seed)
     applied = megatron_ext.patches.apply()
     sizes = sizes_of(args)
-    per_mode = sizes.check_steps + sizes.warmup + 1 + sizes.steps
-    bar = _progress(rank == 0 and not args.no_progress, per_mode * len(args.selected))
+    bar = _progress(rank == 0 and not args.no_progress, sizes.steps_per_mode * len(args.selected))
     current = {"mode": None}
 
     def starting(mode_name: str) -> None:
@@ -278,6 +277,10 @@ def _print_report(args, sizes, world_size, rows, facts, problems) -> None:
 # ---------------------------------------------------------------------------------- launching
 
 
+def _backend(args) -> str:
+    return "nccl" if args.device == "cuda" else "gloo"
+
+
 def _spawned(rank: int, world_size: int, args, init_file: str, failure_dir: str, status_file: str) -> None:
     import torch.distributed as dist
 
@@ -285,7 +288,7 @@ def _spawned(rank: int, world_size: int, args, init_file: str, failure_dir: str,
     if args.device == "cuda":
         torch.cuda.set_device(rank)
     dist.init_process_group(
-        "nccl" if args.device == "cuda" else "gloo",
+        _backend(args),
         init_method=f"file://{init_file}",
         rank=rank,
         world_size=world_size,
@@ -317,9 +320,7 @@ def main(argv=None) -> int:
         _quiet(args.verbose)
         if args.device == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(
-            "nccl" if args.device == "cuda" else "gloo", timeout=datetime.timedelta(seconds=args.timeout)
-        )
+        dist.init_process_group(_backend(args), timeout=datetime.timedelta(seconds=args.timeout))
         with tempfile.TemporaryDirectory() as failure_dir:
             try:
                 ok = _rank_main(dist.get_rank(), dist.get_world_size(), args, failure_dir)

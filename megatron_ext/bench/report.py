@@ -16,9 +16,9 @@ def _median(values: list[float]) -> Optional[float]:
     return statistics.median(values) if values else None
 
 
-def _worst(values: list[Optional[float]], pick=max) -> Optional[float]:
+def _worst(values: list[Optional[float]]) -> Optional[float]:
     present = [v for v in values if v is not None]
-    return pick(present) if present else None
+    return max(present) if present else None
 
 
 def _mean(values: list[Optional[float]]) -> Optional[float]:

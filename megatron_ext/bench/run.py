@@ -47,6 +47,11 @@ class Sizes:
     seed: int
     runahead_sleep_ms: float = 300.0
 
+    @property
+    def steps_per_mode(self) -> int:
+        """Checked, warm-up, counted and timed steps."""
+        return self.check_steps + self.warmup + 1 + self.steps
+
 
 @dataclass
 class ModeResult:
@@ -157,8 +162,7 @@ class _Runner:
     def __init__(self, sizes: Sizes, rank: int, world_size: int, device: torch.device, progress: Callable):
         self.sizes, self.rank, self.world_size, self.device = sizes, rank, world_size, device
         self.progress = progress
-        self.steps_per_mode = sizes.check_steps + sizes.warmup + 1 + sizes.steps
-        self.inputs = make_inputs(sizes, rank, self.steps_per_mode, device)
+        self.inputs = make_inputs(sizes, rank, sizes.steps_per_mode, device)
         shape = self.inputs[0].shape
         self.loss_weights = torch.linspace(-1.0, 1.0, shape.numel(), device=device).view(shape)
         self.weights: Optional[dict] = None  # the first stack's state, loaded into every other
@@ -199,7 +203,7 @@ class _Runner:
             for _ in range(self.sizes.warmup):
                 self.step(stack, next(inputs))
                 self.progress()
-            self._count(stack, timer, result, next(inputs))
+            self._count(stack, timer, managers, result, next(inputs))
             self._time(stack, timer, managers, result, inputs)
             if self.device.type == "cuda":
                 probe_step = functools.partial(self.step, stack, self.inputs[-1])
@@ -239,10 +243,10 @@ class _Runner:
                 f"expected {expected}"
             )
 
-    def _count(self, stack, timer, result, x) -> None:
+    def _count(self, stack, timer, managers, result, x) -> None:
         from megatron_ext.sync import count_host_syncs
 
-        stats_before = _dispatch_counts(stack)
+        stats_before = _dispatch_counts(managers)
         with count_collectives() as collectives, count_host_syncs() as syncs:
             timer.collectives = collectives
             self.step(stack, x)
@@ -253,7 +257,7 @@ class _Runner:
         result.bytes_sent_per_step = collectives.bytes_sent
         if timer.dispatch_bytes:
             result.bytes_sent_per_dispatch = statistics.fmean(timer.dispatch_bytes)
-        after = _dispatch_counts(stack)
+        after = _dispatch_counts(managers)
         if stats_before is not None:
             result.blocking_dispatches_per_step = after[0] - stats_before[0]
             result.non_blocking_dispatches_per_step = after[1] - stats_before[1]
@@ -316,8 +320,7 @@ def _count_overflows(managers, device) -> torch.Tensor:
     return total
 
 
-def _dispatch_counts(stack) -> Optional[tuple[int, int]]:
-    managers = _our_managers(stack)
+def _dispatch_counts(managers) -> Optional[tuple[int, int]]:
     if not managers:
         return None
     return (
@@ -406,7 +409,7 @@ def run_modes(
         starting(mode.name)
         if mode.needs_deep_ep and deep_ep_error is not None:
             results.append(ModeResult(mode.name, status="skipped", detail=f"deep_ep does not import: {deep_ep_error}"))
-            for _ in range(runner.steps_per_mode):
+            for _ in range(sizes.steps_per_mode):
                 progress()
             continue
         results.append(runner.run(mode))
