@@ -45,17 +45,19 @@ def make_config(world_size: int, **overrides):
 
 
 def moe_layer(config, experts: str = "spec", seed: int = 1234):
-    """A Megatron MoELayer from Megatron's local GPT layer spec; experts 'spec' (Megatron's
-    SequentialMLP) or 'grouped' (megatron_ext's GroupedMLP). Weights depend on `seed` only."""
+    """A Megatron MoELayer; experts 'spec' (Megatron's local spec: SequentialMLP), 'grouped'
+    (megatron_ext's GroupedMLP), or, on a GPU with TE, 'te' / 'te-op-fuser' (Megatron's TE spec:
+    TEGroupedMLP, set `use_transformer_engine_op_fuser` for the latter). Weights depend on `seed` only."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
+    from megatron.core.transformer.moe.moe_layer import MoELayer
 
-    spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False)
-    submodules = spec.submodules.mlp.keywords["submodules"]
-    if experts == "grouped":
-        from megatron_ext.experts import GroupedMLP
+    if experts == "spec":
+        spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False)
+        submodules = spec.submodules.mlp.keywords["submodules"]
+    else:
+        from megatron_ext.bench.run import experts_spec
 
-        submodules = MoESubmodules(experts=GroupedMLP, shared_experts=submodules.shared_experts)
+        submodules = experts_spec(experts, config.num_moe_experts)
     torch.manual_seed(seed)
     return MoELayer(config, submodules=submodules, layer_number=1)
 

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from tests.distributed import run_ranks
 
-WORLD, LAYERS, TOKENS, HIDDEN, EXPERTS, TOPK, STEPS = 2, 2, 64, 32, 4, 2, 2
+WORLD, LAYERS, TOKENS, HIDDEN, EXPERTS, TOPK, STEPS, ROUNDS = 2, 2, 64, 32, 4, 2, 2, 2
 TINY = [
     "--layers", str(LAYERS), "--tokens", str(TOKENS), "--hidden", str(HIDDEN), "--ffn-hidden", "32",
     "--experts", str(EXPERTS), "--topk", str(TOPK), "--steps", str(STEPS), "--warmup", "0", "--no-progress",
@@ -47,7 +47,8 @@ def _bench(*args, env=None, timeout=600):
 @pytest.fixture(scope="module")
 def full_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
-    result = _bench(*TINY, "--world-size", str(WORLD), "--json", str(out / "b.json"), "--plot", str(out / "b.png"))
+    outputs = ["--json", str(out / "b.json"), "--plot", str(out / "b.png")]
+    result = _bench(*TINY, "--world-size", str(WORLD), "--repeat", str(ROUNDS), *outputs)
     assert result.returncode == 0, result.stdout + result.stderr
     with open(out / "b.json") as f:
         report = json.load(f)
@@ -63,7 +64,8 @@ def test_every_mode_runs_and_equals_blocking(full_run):
     assert report["ok"] and report["failures"] == []
     assert report["world_size"] == WORLD and report["sizes"]["tokens"] == TOKENS
     names = [m["name"] for m in report["modes"]]
-    assert names == ["megatron", *OUR_MODES, "deep_ep", "deep_ep+capacity+equal+reuse"]
+    te_modes = ["megatron+te", "blocking+te", "capacity+equal+te"]
+    assert names == ["megatron", *OUR_MODES, "deep_ep", "deep_ep+capacity+equal+reuse", *te_modes]
     for name in OUR_MODES:
         assert _mode(report, name)["equal_to_blocking"] == "bitwise", name
         assert _mode(report, name)["status"] == "ok", name
@@ -71,6 +73,8 @@ def test_every_mode_runs_and_equals_blocking(full_run):
     if not HAS_DEEP_EP:
         for name in ("deep_ep", "deep_ep+capacity+equal+reuse"):
             assert _mode(report, name)["status"] == "skipped" and "deep_ep" in _mode(report, name)["detail"]
+    for name in te_modes:  # CPU ranks: TE's experts need a GPU
+        assert _mode(report, name)["status"] == "skipped" and "CUDA GPU" in _mode(report, name)["detail"]
     for name in names:
         assert name in stdout
     assert "OK: outputs and gradients equal blocking's" in stdout
@@ -124,9 +128,13 @@ def test_timings_and_plot(full_run):
         if mode["status"] == "skipped":
             continue
         for rank in mode["per_rank"]:
-            assert len(rank["step_ms"]) == STEPS and all(t > 0 for t in rank["step_ms"])
-            assert len(rank["dispatch_host_ms"]) == LAYERS * STEPS  # forward dispatches only
+            assert len(rank["step_ms"]) == STEPS * ROUNDS and all(t > 0 for t in rank["step_ms"])
+            assert len(rank["dispatch_host_ms"]) == LAYERS * STEPS * ROUNDS  # forward dispatches only
+            rounds = [rank["step_ms"][i * STEPS : (i + 1) * STEPS] for i in range(ROUNDS)]
+            assert rank["round_step_ms"] == [statistics.median(r) for r in rounds]
         assert mode["step_ms"] == max(statistics.median(r["step_ms"]) for r in mode["per_rank"])  # slowest rank
+        slowest = [max(r["round_step_ms"][i] for r in mode["per_rank"]) for i in range(ROUNDS)]
+        assert mode["round_step_ms"] == slowest
     assert _mode(report, "megatron")["step_vs_stock"] == 1.0
     with open(png, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"

@@ -218,3 +218,52 @@ def test_training_command_runs_the_dry_run_arguments(stubs, tmp_path, script, en
     assert dry_world_size == world_size
     assert (FACTOR in args and EQUAL in args) == (mode == "capacity")
     assert REUSE in args
+
+
+# ------------------------------------------------------------------ compare_modes.py
+
+FAKE_TRAINING = r"""
+# Prints Megatron-style iteration lines; capacity mode is 20 % faster; $DIFFER_AT changes one loss.
+for i in 1 2 3 4; do
+  ms=100.0; [[ $MODE == capacity ]] && ms=80.0
+  loss=5.12345${i}E+00; [[ $MODE == capacity && ${DIFFER_AT:-0} == $i ]] && loss=5.12346${i}E+00
+  echo " [2026-11-29 10:00:0$i.000000] iteration        $i/       4 | consumed samples:            $((2*i)) |" \
+    "elapsed time per iteration (ms): $ms | learning rate: 1.000000E-04 | global batch size:     2 |" \
+    "lm loss: $loss | load_balancing_loss: 1.00${i}000E+00 | loss scale: 1.0 | grad norm: 3.14$i |" \
+    "number of skipped iterations:   0 | number of nan iterations:   0 |"
+done
+exit ${EXIT_CODE:-0}
+"""
+
+
+def _compare(tmp_path, **env):
+    script = tmp_path / "fake.sh"
+    script.write_text(FAKE_TRAINING)
+    command = [sys.executable, str(EXAMPLES / "compare_modes.py"), "--script", str(script), "--skip-iters", "1"]
+    command += ["--log-dir", str(tmp_path / "logs"), "--repeat", "2", "--", "--train-iters", "4"]
+    return subprocess.run(command, capture_output=True, text=True, env=script_env(**env), timeout=60)
+
+
+def test_compare_modes_reports_identical_losses_and_the_step_time_ratio(tmp_path):
+    result = _compare(tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "4 iterations, 2 run(s) per mode" in result.stdout
+    assert "capacity / blocking step time: 0.800" in result.stdout
+    assert "IDENTICAL" in result.stdout
+    assert sorted(p.name for p in (tmp_path / "logs").iterdir()) == [
+        "blocking-1.log",
+        "blocking-2.log",
+        "capacity-1.log",
+        "capacity-2.log",
+    ]
+
+
+def test_compare_modes_names_the_first_loss_that_differs(tmp_path):
+    result = _compare(tmp_path, DIFFER_AT="3")
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "DIFFERS: capacity run 1: iteration 3: lm loss 5.123453E+00 against 5.123463E+00" in result.stdout
+
+
+def test_compare_modes_fails_when_a_run_fails(tmp_path):
+    result = _compare(tmp_path, EXIT_CODE="3")
+    assert result.returncode == 1 and "FAILED: MODE=blocking exited 3" in result.stdout, result.stdout

@@ -15,7 +15,6 @@ import textwrap
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from tests.megatron_env import FLEX, copy_weights, run_steps
 
@@ -31,24 +30,6 @@ GPU = dict(
     bf16=True,
     use_cpu_initialization=False,
 )
-
-
-@pytest.fixture(scope="module")
-def megatron(tmp_path_factory):
-    import megatron_ext.patches
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
-    torch.cuda.set_device(0)
-    init = tmp_path_factory.mktemp("nccl_moe") / "init"
-    dist.init_process_group("nccl", init_method=f"file://{init}", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel()
-    model_parallel_cuda_manual_seed(1)
-    applied = megatron_ext.patches.apply()
-    yield
-    megatron_ext.patches.revert(applied)
-    parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
 
 
 def _stack(seed, **options):
@@ -164,3 +145,73 @@ def test_too_small_capacity_stops_on_the_device():
     print("\n".join(line for line in output.splitlines() if "megatron-ext" in line or "Assertion" in line))
     assert result.returncode != 0 and "NO FAILURE" not in output
     assert "capacity of 4 rows" in output, "the device-side assert did not carry the layer's message"
+
+
+# ------------------------------------------------------------------ every mode of the bench
+
+SYNC_FREE = ("capacity+equal", "capacity+equal+check", "capacity+equal+reuse")
+
+
+def _modes():
+    from megatron_ext.bench.modes import BLOCKING, all_modes
+
+    return [m for m in all_modes(1.5) if m.name != BLOCKING and not m.needs_deep_ep and not m.needs_te]
+
+
+class _Summed(torch.nn.Module):
+    """x + sum of the layers on x: routing in one layer never depends on another's rounding, so
+    stock Megatron (which sums in another order) can be held to a tolerance."""
+
+    def __init__(self, layers):
+        super().__init__()
+        self.layers = layers
+
+    def forward(self, x):
+        return x + sum(layer(x)[0] for layer in self.layers)
+
+
+def _summed(overrides):
+    from tests.megatron_env import make_config, moe_layer
+
+    config = make_config(1, **GPU, **overrides)
+    return _Summed(torch.nn.ModuleList([moe_layer(config, experts="grouped", seed=70 + i) for i in range(LAYERS)]))
+
+
+def _relative_error(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+
+@pytest.mark.parametrize("mode", _modes(), ids=lambda m: m.name)
+def test_every_mode_against_blocking_with_its_syncs_and_runahead(megatron, mode):
+    """Outputs, input and parameter gradients of 4 steps (fresh inputs; the first calibrates) against
+    blocking: bitwise for megatron-ext's modes, within bf16 rounding for stock Megatron. Modes that
+    declare equal counts run their later steps under the sync guard and run ahead of a sleeping
+    GPU; the others make the host wait."""
+    from megatron_ext.sync import count_host_syncs, forbid_host_sync, runahead_probe
+
+    blocking = _summed(FLEX)
+    stack = _summed(mode.overrides)
+    copy_weights(blocking, stack)
+    inputs = _inputs(4)
+    wrap = lambda layer, x: layer(x)  # noqa: E731
+    expected = run_steps(blocking, inputs, wrap)
+    actual = run_steps(stack, inputs[:1], wrap)
+    if mode.name in SYNC_FREE:
+        with forbid_host_sync():
+            actual += run_steps(stack, inputs[1:], wrap)
+    else:
+        with count_host_syncs() as syncs:
+            actual += run_steps(stack, inputs[1:], wrap)
+        assert syncs.count >= LAYERS * (len(inputs) - 1), f"{mode.name}: expected the host to read counts every step"
+    for step, ((out_a, dx_a, g_a), (out_b, dx_b, g_b)) in enumerate(zip(expected, actual)):
+        pairs = [("output", out_a, out_b), ("input grad", dx_a, dx_b)]
+        pairs += [(f"grad {name}", g_a[name], g_b[name]) for name in g_a]
+        for what, a, b in pairs:
+            if mode.equality == "bitwise":
+                assert torch.equal(a, b), f"{mode.name} step {step}: {what} differs from blocking"
+            else:
+                error = _relative_error(b, a)
+                assert error <= 3e-2, f"{mode.name} step {step}: {what} relative error {error:.3g}"
+    probe = runahead_probe(lambda: run_steps(stack, inputs[:1], wrap))
+    print(f"\n{mode.name}: {probe}")
+    assert probe.waited == (mode.name not in SYNC_FREE), probe

@@ -33,7 +33,8 @@ def parser() -> argparse.ArgumentParser:
         prog="megatron-ext-bench",
         description="Run every dispatch mode on one stack of Megatron-Core MoE layers: check the results "
         "against the blocking mode, count host syncs and bytes, time the steps.",
-        epilog="Modes: " + ", ".join(m.name for m in all_modes(1.5)) + " (deep_ep ones where deep_ep imports).",
+        epilog="Modes: " + ", ".join(m.name for m in all_modes(1.5)) + " (deep_ep ones where deep_ep imports, "
+        "+te ones on a GPU with Transformer Engine).",
     )
     size = p.add_argument_group("the MoE stack (the same in every mode)")
     size.add_argument("--layers", type=int, default=2, help="MoE layers, each on the same input (default 2)")
@@ -60,6 +61,12 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--steps", type=int, default=5, help="timed steps per mode (default 5)")
     run.add_argument("--check-steps", type=int, default=2, help="steps compared with blocking, per mode (default 2)")
     run.add_argument("--warmup", type=int, default=1, help="untimed steps per mode before counting (default 1)")
+    run.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="rounds: run every mode in turn this many times and report the spread of the rounds' medians (default 1)",
+    )
     run.add_argument("--seed", type=int, default=0)
     run.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto", help="auto: cuda where available")
     run.add_argument("--world-size", type=int, default=None, help="ranks to spawn (default: GPUs, or 4 on CPU)")
@@ -91,7 +98,7 @@ def parse(argv=None) -> argparse.Namespace:
         args.world_size = torch.cuda.device_count() if cuda else 4
     if cuda and not under_torchrun and args.world_size > torch.cuda.device_count():
         p.error(f"--world-size {args.world_size}: only {torch.cuda.device_count()} GPU(s) are visible")
-    for name in ("layers", "tokens", "hidden", "ffn_hidden", "experts", "steps", "check_steps", "world_size"):
+    for name in ("layers", "tokens", "hidden", "ffn_hidden", "experts", "steps", "check_steps", "world_size", "repeat"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
     if args.warmup < 0:
@@ -130,6 +137,7 @@ def sizes_of(args) -> Sizes:
         warmup=args.warmup,
         seed=args.seed,
         runahead_sleep_ms=args.runahead_sleep_ms,
+        repeat=args.repeat,
     )
 
 
@@ -185,7 +193,7 @@ def _rank_main(rank: int, world_size: int, args, failure_dir: str) -> bool:
         model_parallel_cuda_manual_seed(args.seed)
     applied = megatron_ext.patches.apply()
     sizes = sizes_of(args)
-    bar = _progress(rank == 0 and not args.no_progress, sizes.steps_per_mode * len(args.selected))
+    bar = _progress(rank == 0 and not args.no_progress, sizes.steps_per_mode * len(args.selected) * sizes.repeat)
     current = {"mode": None}
 
     def starting(mode_name: str) -> None:
@@ -233,9 +241,10 @@ def _print_report(args, sizes, world_size, rows, facts, problems) -> None:
     print(title)
     if load is not None:
         print(f"routing: busiest expert holds {load:.2f}x the mean (layer 1, first step)")
+    rounds = f", in each of {sizes.repeat} rounds" if sizes.repeat > 1 else ""
     print(
         f"per mode: {sizes.check_steps} checked + {sizes.warmup} warm-up + 1 counted + {sizes.steps} timed "
-        "steps on the same inputs and weights\n"
+        f"steps on the same inputs and weights{rounds}\n"
     )
     print(report.table(rows, cuda))
     print()

@@ -21,6 +21,9 @@ class Mode:
     equality: how its results must match the blocking mode's: 'bitwise' (the same numbers in the
     same order) or 'close' (another implementation sums in another order).
     needs_deep_ep: runs only where `deep_ep.HybridEPBuffer` imports.
+    experts: 'grouped' (megatron-ext's GroupedMLP, the same in every torch mode, so those rows
+    differ in dispatch alone), 'te' (Megatron's TEGroupedMLP, unfused: it reads the counts on the
+    host), or 'te-op-fuser' (TEGroupedMLP through TE's op fuser, which takes the counts on the device).
     """
 
     name: str
@@ -29,10 +32,18 @@ class Mode:
     overrides: dict[str, Any] = field(default_factory=dict)
     equality: str = "bitwise"
     needs_deep_ep: bool = False
+    experts: str = "grouped"
+
+    @property
+    def needs_te(self) -> bool:
+        return self.experts != "grouped"
 
 
 BLOCKING = "blocking"
 STOCK = "megatron"
+STOCK_TE = "megatron+te"
+TE_FLAGS = ("--transformer-impl transformer_engine", "--moe-grouped-gemm")
+OP_FUSER_FLAGS = (*TE_FLAGS, "--use-transformer-engine-op-fuser")
 
 
 def all_modes(capacity_factor: float) -> tuple[Mode, ...]:
@@ -103,6 +114,32 @@ def all_modes(capacity_factor: float) -> tuple[Mode, ...]:
             ),
             equality="close",
             needs_deep_ep=True,
+        ),
+        # Transformer Engine's grouped experts (GPU, TE installed); 'close': TE's GEMMs round differently.
+        Mode(
+            STOCK_TE,
+            "stock Megatron-Core with TE's grouped experts: the alltoall dispatcher, TEGroupedMLP (counts read on "
+            "the host)",
+            ("--moe-token-dispatcher-type alltoall", *TE_FLAGS),
+            dict(moe_token_dispatcher_type="alltoall"),
+            equality="close",
+            experts="te",
+        ),
+        Mode(
+            "blocking+te",
+            "as blocking, experts TEGroupedMLP through TE's op fuser (counts on the device)",
+            (*flex_flags, "--moe-hybridep-implementation torch", *OP_FUSER_FLAGS),
+            dict(torch_impl, use_transformer_engine_op_fuser=True),
+            equality="close",
+            experts="te-op-fuser",
+        ),
+        Mode(
+            "capacity+equal+te",
+            "as capacity+equal, experts TEGroupedMLP through TE's op fuser (counts on the device)",
+            (*flex_flags, factor_flag, "--moe-hybridep-equal-token-counts", *OP_FUSER_FLAGS),
+            dict(torch_impl, **factor, **equal, use_transformer_engine_op_fuser=True),
+            equality="close",
+            experts="te-op-fuser",
         ),
     )
 

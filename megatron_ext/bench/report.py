@@ -7,7 +7,7 @@ import math
 import statistics
 from typing import Any, Optional
 
-from megatron_ext.bench.modes import STOCK, Mode
+from megatron_ext.bench.modes import STOCK, STOCK_TE, Mode
 
 _STATUS_ORDER = ("ok", "skipped", "differs", "failed")
 
@@ -38,15 +38,18 @@ def aggregate(mode: Mode, per_rank: list[dict]) -> dict[str, Any]:
     equality = next((e for e in ("differs", "close", "bitwise") if e in equalities), "")
     runaheads = [r["runahead"] for r in per_rank if r["runahead"]]
     first = per_rank[0]
+    rounds = [max(times) for times in zip(*(r["round_step_ms"] for r in per_rank))]  # slowest rank per round
     return dict(
         name=mode.name,
         summary=mode.summary,
+        experts=mode.experts,
         flags=list(mode.flags),
         status=status,
         detail=detail,
         equal_to_blocking=equality,
         max_rel_error=max(r["max_rel_error"] for r in per_rank),
         step_ms=_worst([_median(r["step_ms"]) for r in per_rank]),
+        round_step_ms=rounds,
         host_step_ms=_worst([_median(r["host_step_ms"]) for r in per_rank]),
         dispatch_host_ms=_worst([_median(r["dispatch_host_ms"]) for r in per_rank]),
         host_syncs_per_step=_worst([r["host_syncs_per_step"] for r in per_rank]),
@@ -63,7 +66,9 @@ def aggregate(mode: Mode, per_rank: list[dict]) -> dict[str, Any]:
         runahead=None
         if not runaheads
         else dict(
-            ran_ahead=all(r["ran_ahead"] for r in runaheads),
+            ran_ahead=all(all(r["ran_ahead_rounds"]) for r in per_rank),
+            rounds_ran_ahead=min(sum(r["ran_ahead_rounds"]) for r in per_rank),
+            rounds=len(first["ran_ahead_rounds"]),
             host_idle_ms=max(r["host_idle_ms"] for r in runaheads),
             host_behind_sleep_ms=max(r["host_behind_sleep_ms"] for r in runaheads),
             gpu_sleep_ms=min(r["gpu_sleep_ms"] for r in runaheads),
@@ -73,10 +78,12 @@ def aggregate(mode: Mode, per_rank: list[dict]) -> dict[str, Any]:
 
 
 def add_ratios(rows: list[dict]) -> None:
-    """`step_vs_stock`: each mode's step time over stock Megatron's (None without it)."""
-    stock = next((r["step_ms"] for r in rows if r["name"] == STOCK and r["step_ms"]), None)
+    """`step_vs_stock`: each mode's step time over stock Megatron's with the same family of experts
+    (`megatron` for megatron-ext's GroupedMLP, `megatron+te` for TE's); None without that row."""
+    stock = {r["experts"]: r["step_ms"] for r in rows if r["name"] in (STOCK, STOCK_TE) and r["step_ms"]}
     for row in rows:
-        row["step_vs_stock"] = row["step_ms"] / stock if stock and row["step_ms"] else None
+        family = "grouped" if row["experts"] == "grouped" else "te"
+        row["step_vs_stock"] = row["step_ms"] / stock[family] if stock.get(family) and row["step_ms"] else None
 
 
 def failures(rows: list[dict]) -> list[str]:
@@ -98,8 +105,22 @@ def _bytes(value: Optional[float]) -> str:
     return f"{value:.0f} B"
 
 
+def _spread(rounds: list[float]) -> str:
+    return f"{min(rounds):.2f}-{max(rounds):.2f}" if len(rounds) > 1 else "-"
+
+
+def _ran_ahead(runahead: Optional[dict]) -> str:
+    if runahead is None:
+        return "-"
+    if runahead["rounds"] > 1 and 0 < runahead["rounds_ran_ahead"] < runahead["rounds"]:
+        return f"{runahead['rounds_ran_ahead']}/{runahead['rounds']} rounds"
+    return "yes" if runahead["ran_ahead"] else "no"
+
+
 def table(rows: list[dict], cuda: bool) -> str:
-    header = ["mode", "vs blocking", "step ms", "x stock", "dispatch host ms", "syncs/step", "all-reduces/step"]
+    repeated = any(len(r.get("round_step_ms") or []) > 1 for r in rows)
+    header = ["mode", "vs blocking", "step ms"] + (["round medians"] if repeated else [])
+    header += ["x stock", "dispatch host ms", "syncs/step", "all-reduces/step"]
     header += ["ran ahead", "peak step mem"] if cuda else []
     header += ["map alloc/step", "sent/dispatch", "overflows"]
     lines = []
@@ -114,14 +135,14 @@ def table(rows: list[dict], cuda: bool) -> str:
             r["name"],
             equal,
             _fmt(r["step_ms"], ".2f"),
+            *([_spread(r["round_step_ms"])] if repeated else []),
             _fmt(r["step_vs_stock"], ".2f"),
             _fmt(r["dispatch_host_ms"], ".3f"),
             _fmt(r["host_syncs_per_step"], "d"),
             _fmt(r["all_reduces_per_step"], "d"),
         ]
         if cuda:
-            ahead = r["runahead"]
-            cells.append("-" if ahead is None else ("yes" if ahead["ran_ahead"] else "no"))
+            cells.append(_ran_ahead(r["runahead"]))
             cells.append(_bytes(r["peak_step_memory_bytes"]))
         cells += [_bytes(r["routing_map_bytes_allocated_per_step"]), _bytes(r["bytes_sent_per_dispatch"])]
         cells += [_fmt(r["overflows"], "d")]
@@ -137,9 +158,10 @@ def table(rows: list[dict], cuda: bool) -> str:
 
 def legend(rows: list[dict], cuda: bool, sizes) -> str:
     clock = "CUDA events" if cuda else "the host clock"
+    rounds = f" in each of {sizes.repeat} rounds" if sizes.repeat > 1 else ""
     lines = [
-        f"step ms: median of {sizes.steps} timed forward+backward steps ({clock}), slowest rank; x stock: over "
-        "stock Megatron's.",
+        f"step ms: median of {sizes.steps} timed forward+backward steps{rounds} ({clock}), slowest rank; x stock: "
+        "over stock Megatron's with the same experts (megatron+te for the TE rows).",
         "dispatch host ms: host time of one forward dispatch call (MoELayer.preprocess + dispatch), median, slowest "
         "rank.",
         "syncs/step: host reads of device values in one step, counted by megatron_ext.sync.count_host_syncs.",
@@ -148,6 +170,11 @@ def legend(rows: list[dict], cuda: bool, sizes) -> str:
         lines.append(
             "On CPU the ranks share a few cores, so times say little about a GPU; the counts (syncs, all-reduces, "
             "bytes, allocations) and the checks carry over."
+        )
+    if sizes.repeat > 1:
+        lines.append(
+            "round medians: the lowest and highest round's median; the rounds run every mode in turn, so drift in "
+            "the machine's speed reaches every mode."
         )
     if cuda:
         lines.append("ran ahead: the host enqueued a whole step while the GPU slept (megatron_ext.sync.runahead_probe)")

@@ -9,12 +9,16 @@ Per mode, in this order (the same inputs and weights in every mode):
 4. `steps` timed steps (CUDA events on a GPU, the host clock on CPU): step time, host time of
    each forward dispatch, peak memory above the step's start (GPU), routing-map bytes allocated;
 5. on a GPU, `runahead_probe()`: does the host enqueue a step while the GPU sleeps?
+
+With `repeat` > 1 all of this runs `repeat` times, mode after mode in table order, so drift in the
+machine's speed spreads over every mode instead of landing on one; each round's median is kept.
 """
 
 from __future__ import annotations
 
 import functools
 import gc
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -46,10 +50,11 @@ class Sizes:
     warmup: int
     seed: int
     runahead_sleep_ms: float = 300.0
+    repeat: int = 1
 
     @property
     def steps_per_mode(self) -> int:
-        """Checked, warm-up, counted and timed steps."""
+        """Checked, warm-up, counted and timed steps in one round."""
         return self.check_steps + self.warmup + 1 + self.steps
 
 
@@ -62,7 +67,8 @@ class ModeResult:
     detail: str = ""
     equality: str = ""  # 'bitwise' | 'close' | 'differs' (against blocking)
     max_rel_error: float = 0.0
-    step_ms: list[float] = field(default_factory=list)
+    step_ms: list[float] = field(default_factory=list)  # every timed step of every round
+    round_step_ms: list[float] = field(default_factory=list)  # each round's median
     host_step_ms: list[float] = field(default_factory=list)
     dispatch_host_ms: list[float] = field(default_factory=list)
     host_syncs_per_step: Optional[int] = None
@@ -76,10 +82,24 @@ class ModeResult:
     non_blocking_dispatches_per_step: Optional[float] = None
     capacities: list[int] = field(default_factory=list)
     overflows: Optional[int] = None
-    runahead: Optional[dict] = None
+    runahead: Optional[dict] = None  # the first round's probe
+    ran_ahead_rounds: list[bool] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def merge(self, later: ModeResult) -> None:
+        """Fold a later round of the same mode into this one (the worst status and error win)."""
+        order = ("ok", "skipped", "differs", "failed")
+        if order.index(later.status) > order.index(self.status):
+            self.status, self.detail, self.equality = later.status, later.detail, later.equality
+        self.max_rel_error = max(self.max_rel_error, later.max_rel_error)
+        for name in ("step_ms", "round_step_ms", "host_step_ms", "dispatch_host_ms", "ran_ahead_rounds"):
+            getattr(self, name).extend(getattr(later, name))
+        if later.peak_step_memory_bytes is not None:
+            self.peak_step_memory_bytes = max(self.peak_step_memory_bytes or 0, later.peak_step_memory_bytes)
+        if later.overflows is not None:
+            self.overflows = (self.overflows or 0) + later.overflows
 
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -114,6 +134,39 @@ def megatron_config(sizes: Sizes, world_size: int, device: torch.device, mode: M
     return HybridEPTransformerConfig(**{**base, **mode.overrides})
 
 
+def te_import_error() -> Optional[str]:
+    """None when Megatron finds Transformer Engine with its op-fuser GroupedLinear, else why not."""
+    if not torch.cuda.is_available():
+        return "Transformer Engine's experts need a CUDA GPU"
+    try:
+        from megatron.core.extensions.transformer_engine import HAVE_TE
+        from transformer_engine.pytorch.ops import GroupedLinear  # noqa: F401
+    except Exception as exc:  # ImportError, or a library/driver error raised at import
+        return f"Transformer Engine does not import: {type(exc).__name__}: {exc}"
+    return None if HAVE_TE else "Megatron-Core did not find Transformer Engine"
+
+
+def experts_spec(kind: str, num_experts: int):
+    """The experts and shared-experts spec for `kind` ('grouped', 'te' or 'te-op-fuser')."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.moe.moe_layer import MoESubmodules
+
+    from megatron_ext.experts import GroupedMLP
+
+    if kind == "grouped":
+        spec = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False)
+        shared = spec.submodules.mlp.keywords["submodules"].shared_experts
+        return MoESubmodules(experts=GroupedMLP, shared_experts=shared)
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+
+    if kind == "te-op-fuser":
+        # Megatron-Core 0.19.2 accepts SwiGLU on TE's op fuser only when this asks for TE's CuTe DSL
+        # fused grouped MLP; TE uses that kernel on compute capability 10 alone and runs its separate
+        # grouped ops (GroupedLinear, ScaledSwiGLU, GroupedLinear) elsewhere, the H200 included.
+        os.environ.setdefault("NVTE_CUTEDSL_FUSED_GROUPED_MLP", "1")
+    return get_moe_module_spec(use_te=True, num_experts=num_experts, moe_grouped_gemm=True).keywords["submodules"]
+
+
 class MoEStack(torch.nn.Module):
     """`layers` Megatron MoE layers that read the same input; their outputs are summed: x + sum(moe(x)).
 
@@ -123,17 +176,11 @@ class MoEStack(torch.nn.Module):
     combine run as they do in a model, forward and backward, in sequence on one stream.
     """
 
-    def __init__(self, config, layers: int):
+    def __init__(self, config, layers: int, experts: str = "grouped"):
         super().__init__()
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-        from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
+        from megatron.core.transformer.moe.moe_layer import MoELayer
 
-        from megatron_ext.experts import GroupedMLP
-
-        spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False)
-        shared = spec.submodules.mlp.keywords["submodules"].shared_experts
-        # The same experts in every mode (counts read on the device), so modes differ in dispatch alone.
-        submodules = MoESubmodules(experts=GroupedMLP, shared_experts=shared)
+        submodules = experts_spec(experts, config.num_moe_experts)
         self.layers = torch.nn.ModuleList(
             MoELayer(config, submodules=submodules, layer_number=i + 1) for i in range(layers)
         )
@@ -189,11 +236,11 @@ class _Runner:
         result = ModeResult(mode.name)
         config = megatron_config(self.sizes, self.world_size, self.device, mode)
         torch.manual_seed(self.sizes.seed)  # the same router on every rank, and the same run every time
-        stack = MoEStack(config, self.sizes.layers).to(self.device)
+        stack = MoEStack(config, self.sizes.layers, mode.experts).to(self.device)
         if self.weights is None:
             self.weights = {k: v.detach().to("cpu", copy=True) for k, v in stack.state_dict().items()}
         else:
-            stack.load_state_dict(self.weights)
+            _load_weights(stack, self.weights)
         managers = _our_managers(stack)
         overflow = _count_overflows(managers, self.device)
         timer = DispatchTimer(stack.layers)
@@ -208,6 +255,7 @@ class _Runner:
             if self.device.type == "cuda":
                 probe_step = functools.partial(self.step, stack, self.inputs[-1])
                 result.runahead = _runahead(probe_step, self.sizes.runahead_sleep_ms)
+                result.ran_ahead_rounds = [result.runahead["ran_ahead"]]
             if any(m.capacity is not None for m in managers):
                 result.overflows = int(overflow.item())
                 result.capacities = [m.capacity for m in managers if m.capacity is not None]
@@ -225,6 +273,10 @@ class _Runner:
                 self.expert_load = _expert_load(stack)
             self.progress()
         if mode.name == BLOCKING:
+            if self.reference is not None and not _compare(self.reference, snapshots)[0]:  # a later round
+                result.status, result.equality = "differs", "differs"
+                result.detail = f"blocking is not deterministic on rank {self.rank}: a later round differs"
+                return
             self.reference = snapshots
             result.equality = "bitwise"
             return
@@ -291,10 +343,21 @@ class _Runner:
             result.peak_step_memory_bytes = max(peaks)
         else:
             result.step_ms = list(result.host_step_ms)
+        result.round_step_ms = [statistics.median(result.step_ms)]
         result.dispatch_host_ms = timer.samples_ms
         gathers_after = _routing_map_bytes(managers)
         if gathers_before is not None and gathers_after is not None:
             result.routing_map_bytes_allocated_per_step = (gathers_after - gathers_before) / self.sizes.steps
+
+
+def _load_weights(stack, weights: dict) -> None:
+    """The first stack's weights into `stack`; GroupedMLP and TEGroupedMLP name them alike, and
+    TE's `_extra_state` (its fp8 metadata, none here) may be absent on either side."""
+    missing, unexpected = stack.load_state_dict(weights, strict=False)
+    missing = [k for k in missing if not k.endswith("_extra_state")]
+    unexpected = [k for k in unexpected if not k.endswith("_extra_state")]
+    if missing or unexpected:
+        raise RuntimeError(f"weights do not carry over: missing {missing[:4]}, unexpected {unexpected[:4]}")
 
 
 def _our_managers(stack) -> list:
@@ -360,8 +423,8 @@ def _compare(reference: list, actual: list) -> tuple[bool, float]:
             if torch.equal(ref, act):
                 continue
             bitwise = False
-            diff = (act.double() - ref.double()).norm()
-            worst = max(worst, float(diff / ref.double().norm().clamp_min(1e-30)))
+            diff = (act.float() - ref.float()).norm()  # float32: enough for a relative error, half double's memory
+            worst = max(worst, float(diff / ref.float().norm().clamp_min(1e-30)))
     return bitwise, worst
 
 
@@ -403,14 +466,24 @@ def run_modes(
 
     rank, world_size = dist.get_rank(), dist.get_world_size()
     runner = _Runner(sizes, rank, world_size, device, progress)
-    deep_ep_error = deep_ep_import_error()
-    results = []
-    for mode in sorted(modes, key=lambda m: m.name != BLOCKING):  # the reference first
-        starting(mode.name)
-        if mode.needs_deep_ep and deep_ep_error is not None:
-            results.append(ModeResult(mode.name, status="skipped", detail=f"deep_ep does not import: {deep_ep_error}"))
-            for _ in range(sizes.steps_per_mode):
-                progress()
-            continue
-        results.append(runner.run(mode))
-    return results, dict(expert_load_max_over_mean=runner.expert_load)
+    deep_ep_error, te_error = deep_ep_import_error(), te_import_error()
+    results: dict[str, ModeResult] = {}
+    for _ in range(sizes.repeat):
+        for mode in sorted(modes, key=lambda m: m.name != BLOCKING):  # the reference first
+            starting(mode.name)
+            why = None
+            if mode.needs_deep_ep and deep_ep_error is not None:
+                why = f"deep_ep does not import: {deep_ep_error}"
+            elif mode.needs_te and te_error is not None:
+                why = te_error
+            if why is not None:
+                results[mode.name] = ModeResult(mode.name, status="skipped", detail=why)
+                for _ in range(sizes.steps_per_mode):
+                    progress()
+                continue
+            result = runner.run(mode)
+            if mode.name in results:
+                results[mode.name].merge(result)
+            else:
+                results[mode.name] = result
+    return list(results.values()), dict(expert_load_max_over_mean=runner.expert_load)

@@ -1,0 +1,119 @@
+#!/usr/bin/env python3
+"""Train the same example twice, MODE=blocking and MODE=capacity, and compare what Megatron logged.
+
+    python examples/compare_modes.py -- --train-iters 300             # smoke_1gpu.sh, one GPU
+    python examples/compare_modes.py --script examples/ep8_single_node.sh --repeat 2 -- --train-iters 200
+
+Each run's log goes to --log-dir. Per iteration, the lm loss, load-balancing loss and grad norm
+must be identical as printed in both modes (capacity mode computes what blocking computes);
+the step time is Megatron's "elapsed time per iteration", median over the iterations after
+--skip-iters. With --repeat N the modes alternate (blocking, capacity, blocking, ...), so drift in
+the machine's speed reaches both, and every run must log the same values.
+
+Exits 0 when every run finished and every logged value matches; 1 otherwise, naming the first
+iteration and value that differ; 2 on bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+MODES = ("blocking", "capacity")
+COMPARED = ("lm loss", "load_balancing_loss", "grad norm")  # as printed by Megatron's training log
+ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|")
+FIELD = re.compile(r"\|\s*([^|:]+?):\s*([^|]+?)\s*(?=\|)")
+
+
+def parse_log(text: str) -> dict[int, dict[str, str]]:
+    """{iteration: {field: value as printed}} from Megatron's per-iteration log lines."""
+    iterations = {}
+    for line in text.splitlines():
+        found = ITERATION.search(line)
+        if found:
+            fields = {name.strip(): value for name, value in FIELD.findall(line[found.start() :])}
+            iterations[int(found.group(1))] = fields
+    return iterations
+
+
+def step_ms(iterations: dict[int, dict[str, str]], skip: int) -> list[float]:
+    key = "elapsed time per iteration (ms)"
+    return [float(f[key]) for i, f in sorted(iterations.items()) if i > skip and key in f]
+
+
+def first_difference(reference: dict, other: dict) -> str | None:
+    if sorted(reference) != sorted(other):
+        return f"logged iterations differ: {len(reference)} against {len(other)}"
+    for iteration in sorted(reference):
+        for name in COMPARED:
+            a, b = reference[iteration].get(name), other[iteration].get(name)
+            if a != b:
+                return f"iteration {iteration}: {name} {a} against {b}"
+    return None
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--script", default=str(HERE / "smoke_1gpu.sh"), help="the launch script (default smoke_1gpu.sh)")
+    p.add_argument("--repeat", type=int, default=1, help="runs per mode, alternating (default 1)")
+    p.add_argument("--skip-iters", type=int, default=10, help="iterations left out of the step time (default 10)")
+    p.add_argument("--log-dir", default="compare-logs", help="where each run's log goes (default ./compare-logs)")
+    p.add_argument("extra", nargs=argparse.REMAINDER, help="after --: arguments for the script")
+    args = p.parse_args(argv)
+    extra = args.extra[1:] if args.extra[:1] == ["--"] else args.extra
+    if args.repeat < 1 or args.skip_iters < 0:
+        p.error("--repeat must be at least 1 and --skip-iters at least 0")
+    if not os.path.isfile(args.script):
+        p.error(f"--script {args.script}: no such file")
+    os.makedirs(args.log_dir, exist_ok=True)
+
+    runs = []  # (mode, parsed log)
+    for attempt in range(args.repeat):
+        for mode in MODES:
+            log = Path(args.log_dir) / f"{mode}-{attempt + 1}.log"
+            print(f"MODE={mode} bash {args.script} {' '.join(extra)}  > {log}", flush=True)
+            with open(log, "w") as out:
+                command = ["bash", args.script, *extra]
+                code = subprocess.call(command, env={**os.environ, "MODE": mode}, stdout=out, stderr=subprocess.STDOUT)
+            parsed = parse_log(log.read_text())
+            if code != 0 or not parsed:
+                print(f"FAILED: MODE={mode} exited {code} after {len(parsed)} logged iterations; see {log}")
+                return 1
+            runs.append((mode, parsed))
+
+    reference = runs[0][1]
+    print(f"\n{len(reference)} iterations, {args.repeat} run(s) per mode; compared: {', '.join(COMPARED)}")
+    problems = []
+    for i, (mode, log) in enumerate(runs):
+        if diff := first_difference(reference, log):
+            problems.append(f"{mode} run {i // 2 + 1}: {diff}")
+    medians = {mode: [] for mode in MODES}
+    for mode, log in runs:
+        medians[mode].append(statistics.median(step_ms(log, args.skip_iters) or [float("nan")]))
+    for mode in MODES:
+        values = medians[mode]
+        spread = f" (runs: {', '.join(f'{v:.1f}' for v in values)})" if len(values) > 1 else ""
+        print(
+            f"{mode:>9}: {statistics.median(values):.1f} ms per iteration, median after iteration "
+            f"{args.skip_iters}{spread}"
+        )
+    ratio = statistics.median(medians["capacity"]) / statistics.median(medians["blocking"])
+    print(f"capacity / blocking step time: {ratio:.3f}")
+    last = reference[max(reference)]
+    print("last iteration: " + ", ".join(f"{k} {last.get(k)}" for k in COMPARED))
+    if problems:
+        for problem in problems:
+            print(f"DIFFERS: {problem}")
+        return 1
+    print("IDENTICAL: every logged " + ", ".join(COMPARED) + " matches in every run")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

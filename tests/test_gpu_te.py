@@ -1,0 +1,88 @@
+"""Transformer Engine's grouped experts in capacity mode, on one CUDA GPU (NCCL, one rank, bf16).
+
+Megatron's TEGroupedMLP through TE's op fuser takes the per-expert counts on the device, so
+megatron-ext keeps it in capacity mode. These tests hold it to what capacity mode promises: the
+same results as a blocking dispatch (the rows past the real count are TE's to leave unwritten and
+ours to ignore), no host read after calibration, and a host that runs ahead of the GPU; stock
+Megatron with TE's unfused experts makes the host wait. Skipped without TE (CI has none).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.megatron_env import FLEX, copy_weights, run_steps
+from tests.test_gpu_moe_layer import GPU, LAYERS, _inputs, _relative_error, _Summed
+
+pytestmark = pytest.mark.gpu
+
+OP_FUSER = dict(use_transformer_engine_op_fuser=True)
+CAPACITY = dict(FLEX, moe_hybridep_capacity_factor=2.0, moe_hybridep_equal_token_counts=True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def transformer_engine():
+    from megatron_ext.bench.run import te_import_error
+
+    reason = te_import_error()
+    if reason is not None:
+        pytest.skip(f"needs Transformer Engine (on the GPU machine: ../shared/tools/gpu_stack_prepare.sh): {reason}")
+
+
+def _te_stack(experts, seed, **overrides):
+    from tests.megatron_env import make_config, moe_layer
+
+    config = make_config(1, **GPU, **overrides)
+    return _Summed(torch.nn.ModuleList([moe_layer(config, experts=experts, seed=seed + i) for i in range(LAYERS)]))
+
+
+def test_op_fuser_experts_in_capacity_mode_equal_blocking_without_host_syncs(megatron):
+    from megatron.core.transformer.moe.experts import TEGroupedMLP
+
+    from megatron_ext.sync import forbid_host_sync, runahead_probe
+
+    wrap = lambda layer, x: layer(x)  # noqa: E731
+    ours = _te_stack("grouped", 90, **FLEX)  # megatron-ext's GroupedMLP, blocking: a second reference
+    blocking = _te_stack("te-op-fuser", 90, **FLEX, **OP_FUSER)
+    capacity = _te_stack("te-op-fuser", 90, **CAPACITY, **OP_FUSER)
+    copy_weights(ours, blocking)
+    copy_weights(ours, capacity)
+    for layer in capacity.layers:
+        assert isinstance(layer.experts, TEGroupedMLP) and layer.experts._with_fused_impl, type(layer.experts)
+    inputs = _inputs(4)
+    reference = run_steps(ours, inputs, wrap)
+    expected = run_steps(blocking, inputs, wrap)
+    actual = run_steps(capacity, inputs[:1], wrap)
+    with forbid_host_sync():
+        actual += run_steps(capacity, inputs[1:], wrap)
+    torch.cuda.synchronize()
+    worst = {"blocking": 0.0, "GroupedMLP": 0.0}
+    for step in range(len(inputs)):
+        for against, runs in (("blocking", expected), ("GroupedMLP", reference)):
+            (out_a, dx_a, g_a), (out_b, dx_b, g_b) = runs[step], actual[step]
+            pairs = [("output", out_a, out_b), ("input grad", dx_a, dx_b)]
+            pairs += [(f"grad {name}", g_a[name], g_b[name]) for name in g_a]
+            for what, a, b in pairs:
+                assert torch.isfinite(b).all(), f"step {step}: {what} is not finite"
+                error = _relative_error(b, a)
+                worst[against] = max(worst[against], error)
+                assert error <= 2e-2, f"step {step}: {what} against {against}: relative error {error:.3g}"
+    for layer in capacity.layers:
+        stats = layer.token_dispatcher._comm_manager.stats
+        assert stats.calibrations == 1 and stats.non_blocking_dispatches == len(inputs) - 1
+    ahead = runahead_probe(lambda: run_steps(capacity, inputs[:1], wrap))
+    print(f"\nTEGroupedMLP (op fuser), capacity 2.0 + equal counts: worst relative error {worst}; {ahead}")
+    assert not ahead.waited, ahead
+
+
+def test_stock_te_experts_make_the_host_wait(megatron):
+    """The comparison the bench draws: stock Megatron's alltoall dispatcher with TEGroupedMLP unfused."""
+    from megatron_ext.sync import runahead_probe
+
+    stock = _te_stack("te", 90, moe_token_dispatcher_type="alltoall")
+    x = _inputs(1)[0]
+    run_steps(stock, [x], lambda layer, x: layer(x))
+    waits = runahead_probe(lambda: run_steps(stock, [x], lambda layer, x: layer(x)))
+    print(f"\nstock alltoall + TEGroupedMLP (unfused): {waits}")
+    assert waits.waited, waits
