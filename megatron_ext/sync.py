@@ -215,6 +215,7 @@ class RunAhead:
     host_idle_ms: float
     host_behind_sleep_ms: float
     gpu_sleep_ms: float
+    behind_started: float = 0.0  # time.perf_counter() when the step behind the sleep began
 
     @property
     def waited(self) -> bool:
@@ -238,6 +239,10 @@ def runahead_probe(
     `sleep_ms` (its real length is measured with CUDA events) and times one more call. The GPU
     sleep is `torch.cuda._sleep(cycles)` with cycles = sleep_ms x `clock_ghz` (the H200's SM clock
     by default); only the measured length is reported.
+
+    CUDA's launch queue holds about 1,000 kernels (measured on the H200: 1,000 tiny kernels queued
+    behind a sleep in 9 ms, 1,024 waited for it), so a step that launches more waits here however
+    free of syncs it is; then ask how far the host got before the GPU woke (`behind_started`).
     """
     if not torch.cuda.is_available():
         raise RuntimeError("runahead_probe needs a CUDA device; use forbid_host_sync() on CPU.")
@@ -256,4 +261,4 @@ def runahead_probe(
     step()
     behind_ms = (time.perf_counter() - start) * 1e3
     torch.cuda.synchronize()
-    return RunAhead(idle_ms, behind_ms, before.elapsed_time(after))
+    return RunAhead(idle_ms, behind_ms, before.elapsed_time(after), start)

@@ -252,3 +252,33 @@ def test_console_script_is_installed():
     result = subprocess.run([script, "--help"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "usage: megatron-ext-bench" in result.stdout and "--capacity-factor" in result.stdout
+
+
+def test_te_per_expert_gradients_stack_under_grouped_mlp_names():
+    from megatron_ext.bench.run import stack_per_expert
+
+    per_expert = {f"layers.0.experts.linear_fc1.weight{i}": torch.full((2, 3), float(i)) for i in range(12)}
+    router = torch.randn(4, 8)
+    stacked = stack_per_expert({**per_expert, "layers.0.router.weight": router})
+    assert sorted(stacked) == ["layers.0.experts.linear_fc1.weight", "layers.0.router.weight"]
+    weight = stacked["layers.0.experts.linear_fc1.weight"]
+    assert weight.shape == (12, 2, 3) and [int(w[0, 0]) for w in weight] == list(range(12))  # 10, 11 after 9
+    assert stacked["layers.0.router.weight"] is router
+
+
+def test_runahead_counts_the_dispatches_the_host_passed_while_the_gpu_slept(monkeypatch):
+    from megatron_ext import sync
+    from megatron_ext.bench import report, run
+
+    start = 1000.0
+    probe = sync.RunAhead(host_idle_ms=40.0, host_behind_sleep_ms=330.0, gpu_sleep_ms=300.0, behind_started=start)
+    monkeypatch.setattr(sync, "runahead_probe", lambda step, sleep_ms: probe)
+    timer = type("Timer", (), {})()
+    timer.returned_at = [start - 0.05, start + 0.01, start + 0.25, start + 0.31, start + 0.32, start + 0.40]
+    result = run._runahead(lambda: None, 300.0, timer, layers=3)  # this step's dispatches: 0.01, 0.25, 0.31
+    assert (result["ran_ahead"], result["dispatches_ahead"], result["dispatches"]) == (False, 2, 3)
+    row = dict(result, rounds=1, rounds_ran_ahead=0)
+    assert report._ran_ahead(row) == "2/3 disp."
+    assert report._ran_ahead(dict(row, ran_ahead=True, rounds_ran_ahead=1)) == "step"
+    assert report._ran_ahead(dict(row, rounds=3, rounds_ran_ahead=2)) == "step in 2/3 rounds"
+    assert report._ran_ahead(None) == "-"

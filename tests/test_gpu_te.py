@@ -30,6 +30,13 @@ def transformer_engine():
         pytest.skip(f"needs Transformer Engine (on the GPU machine: ../shared/tools/gpu_stack_prepare.sh): {reason}")
 
 
+def _stacked(steps):
+    """run_steps' gradients with TE's per-expert `weight{i}` stacked as GroupedMLP's `weight`."""
+    from megatron_ext.bench.run import stack_per_expert
+
+    return [(output, grad, stack_per_expert(grads)) for output, grad, grads in steps]
+
+
 def _te_stack(experts, seed, **overrides):
     from tests.megatron_env import make_config, moe_layer
 
@@ -52,11 +59,13 @@ def test_op_fuser_experts_in_capacity_mode_equal_blocking_without_host_syncs(meg
         assert isinstance(layer.experts, TEGroupedMLP) and layer.experts._with_fused_impl, type(layer.experts)
     inputs = _inputs(4)
     reference = run_steps(ours, inputs, wrap)
-    expected = run_steps(blocking, inputs, wrap)
+    expected = _stacked(run_steps(blocking, inputs, wrap))
     actual = run_steps(capacity, inputs[:1], wrap)
     with forbid_host_sync():
         actual += run_steps(capacity, inputs[1:], wrap)
     torch.cuda.synchronize()
+    actual = _stacked(actual)
+    assert sorted(actual[0][2]) == sorted(reference[0][2]), "TE's gradients do not map onto GroupedMLP's"
     worst = {"blocking": 0.0, "GroupedMLP": 0.0}
     for step in range(len(inputs)):
         for against, runs in (("blocking", expected), ("GroupedMLP", reference)):

@@ -125,6 +125,7 @@ class DispatchTimer:
 
     def __init__(self, layers):
         self.samples_ms: list[float] = []
+        self.returned_at: list[float] = []  # time.perf_counter() as each forward dispatch returned
         self.dispatch_bytes: list[int] = []
         self.enabled = False  # time while True
         self.collectives: CollectiveLog | None = None  # count bytes while set
@@ -150,6 +151,7 @@ class DispatchTimer:
             started = self._started.pop(key, None)
             if started is None or in_backward():  # a recompute replays the forward in the backward
                 return result
+            self.returned_at.append(time.perf_counter())
             if self.enabled:
                 self.samples_ms.append((time.perf_counter() - started[0]) * 1e3)
             if self.collectives is not None:

@@ -69,6 +69,8 @@ def aggregate(mode: Mode, per_rank: list[dict]) -> dict[str, Any]:
             ran_ahead=all(all(r["ran_ahead_rounds"]) for r in per_rank),
             rounds_ran_ahead=min(sum(r["ran_ahead_rounds"]) for r in per_rank),
             rounds=len(first["ran_ahead_rounds"]),
+            dispatches_ahead=min(min(r["dispatches_ahead_rounds"]) for r in per_rank),
+            dispatches=runaheads[0]["dispatches"],
             host_idle_ms=max(r["host_idle_ms"] for r in runaheads),
             host_behind_sleep_ms=max(r["host_behind_sleep_ms"] for r in runaheads),
             gpu_sleep_ms=min(r["gpu_sleep_ms"] for r in runaheads),
@@ -112,9 +114,11 @@ def _spread(rounds: list[float]) -> str:
 def _ran_ahead(runahead: Optional[dict]) -> str:
     if runahead is None:
         return "-"
-    if runahead["rounds"] > 1 and 0 < runahead["rounds_ran_ahead"] < runahead["rounds"]:
-        return f"{runahead['rounds_ran_ahead']}/{runahead['rounds']} rounds"
-    return "yes" if runahead["ran_ahead"] else "no"
+    if runahead["ran_ahead"]:
+        return "step"
+    if runahead["rounds"] > 1 and runahead["rounds_ran_ahead"] > 0:
+        return f"step in {runahead['rounds_ran_ahead']}/{runahead['rounds']} rounds"
+    return f"{runahead['dispatches_ahead']}/{runahead['dispatches']} disp."
 
 
 def table(rows: list[dict], cuda: bool) -> str:
@@ -177,7 +181,12 @@ def legend(rows: list[dict], cuda: bool, sizes) -> str:
             "the machine's speed reaches every mode."
         )
     if cuda:
-        lines.append("ran ahead: the host enqueued a whole step while the GPU slept (megatron_ext.sync.runahead_probe)")
+        lines.append(
+            "ran ahead: 'step' when the host enqueued a whole step while the GPU slept (megatron_ext.sync."
+            "runahead_probe); else how many of the step's forward dispatches it got past before the GPU woke. CUDA's "
+            "launch queue holds about 1,000 kernels: a step that launches more stops the host when the queue is "
+            "full, sync or not; a blocking dispatch stops it at the first layer."
+        )
         lines.append("peak step mem: the largest rank's peak allocation during a step, above its start.")
     lines += [
         "map alloc/step: routing-map all-gather bytes allocated per step and rank ('-': no such gather, or not "

@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import gc
 import os
+import re
 import statistics
 import time
 from collections.abc import Callable
@@ -84,6 +85,7 @@ class ModeResult:
     overflows: Optional[int] = None
     runahead: Optional[dict] = None  # the first round's probe
     ran_ahead_rounds: list[bool] = field(default_factory=list)
+    dispatches_ahead_rounds: list[int] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -94,7 +96,14 @@ class ModeResult:
         if order.index(later.status) > order.index(self.status):
             self.status, self.detail, self.equality = later.status, later.detail, later.equality
         self.max_rel_error = max(self.max_rel_error, later.max_rel_error)
-        for name in ("step_ms", "round_step_ms", "host_step_ms", "dispatch_host_ms", "ran_ahead_rounds"):
+        for name in (
+            "step_ms",
+            "round_step_ms",
+            "host_step_ms",
+            "dispatch_host_ms",
+            "ran_ahead_rounds",
+            "dispatches_ahead_rounds",
+        ):
             getattr(self, name).extend(getattr(later, name))
         if later.peak_step_memory_bytes is not None:
             self.peak_step_memory_bytes = max(self.peak_step_memory_bytes or 0, later.peak_step_memory_bytes)
@@ -226,8 +235,7 @@ class _Runner:
         return out, x.grad
 
     def snapshot(self, stack, out, grad) -> list[torch.Tensor]:
-        tensors = [out.detach(), grad]
-        tensors += [p.grad for _, p in sorted(stack.named_parameters()) if p.grad is not None]
+        tensors = [out.detach(), grad, *(g for _, g in sorted(grads_by_name(stack).items()))]
         return [t.detach().to("cpu", copy=True) for t in tensors]
 
     # ------------------------------------------------------------- one mode
@@ -254,8 +262,9 @@ class _Runner:
             self._time(stack, timer, managers, result, inputs)
             if self.device.type == "cuda":
                 probe_step = functools.partial(self.step, stack, self.inputs[-1])
-                result.runahead = _runahead(probe_step, self.sizes.runahead_sleep_ms)
+                result.runahead = _runahead(probe_step, self.sizes.runahead_sleep_ms, timer, self.sizes.layers)
                 result.ran_ahead_rounds = [result.runahead["ran_ahead"]]
+                result.dispatches_ahead_rounds = [result.runahead["dispatches_ahead"]]
             if any(m.capacity is not None for m in managers):
                 result.overflows = int(overflow.item())
                 result.capacities = [m.capacity for m in managers if m.capacity is not None]
@@ -350,6 +359,28 @@ class _Runner:
             result.routing_map_bytes_allocated_per_step = (gathers_after - gathers_before) / self.sizes.steps
 
 
+_PER_EXPERT = re.compile(r"^(.*\.(?:weight|bias))(\d+)$")
+
+
+def stack_per_expert(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`tensors` by parameter name, TE GroupedLinear's per-expert `...experts.*.weight{i}` stacked
+    under GroupedMLP's `...weight` ([experts, out, in]), so TE's experts compare with megatron-ext's."""
+    out, per_expert = {}, {}
+    for name, tensor in tensors.items():
+        match = _PER_EXPERT.match(name)
+        if match and "experts." in name:
+            per_expert.setdefault(match.group(1), {})[int(match.group(2))] = tensor
+        else:
+            out[name] = tensor
+    out.update({name: torch.stack([e[i] for i in sorted(e)]) for name, e in per_expert.items()})
+    return out
+
+
+def grads_by_name(module) -> dict[str, torch.Tensor]:
+    """Every parameter gradient by name, per-expert ones stacked (`stack_per_expert`)."""
+    return stack_per_expert({n: p.grad for n, p in module.named_parameters() if p.grad is not None})
+
+
 def _load_weights(stack, weights: dict) -> None:
     """The first stack's weights into `stack`; GroupedMLP and TEGroupedMLP name them alike, and
     TE's `_extra_state` (its fp8 metadata, none here) may be absent on either side."""
@@ -428,15 +459,22 @@ def _compare(reference: list, actual: list) -> tuple[bool, float]:
     return bitwise, worst
 
 
-def _runahead(step, sleep_ms: float) -> dict:
+def _runahead(step, sleep_ms: float, timer, layers: int) -> dict:
+    """The probe's verdict on a whole step, and how many of the step's forward dispatches the host
+    got past while the GPU slept (a step of more kernels than CUDA's launch queue holds stops the
+    host however free of syncs it is; a blocking dispatch stops it at the first layer)."""
     from megatron_ext.sync import runahead_probe
 
     probe = runahead_probe(step, sleep_ms=sleep_ms)
+    returned = [t for t in timer.returned_at if t >= probe.behind_started][:layers]
+    woke = probe.behind_started + probe.gpu_sleep_ms / 1e3
     return dict(
         host_idle_ms=probe.host_idle_ms,
         host_behind_sleep_ms=probe.host_behind_sleep_ms,
         gpu_sleep_ms=probe.gpu_sleep_ms,
         ran_ahead=not probe.waited,
+        dispatches_ahead=sum(t < woke for t in returned),
+        dispatches=layers,
     )
 
 
