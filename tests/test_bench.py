@@ -282,3 +282,11 @@ def test_runahead_counts_the_dispatches_the_host_passed_while_the_gpu_slept(monk
     assert report._ran_ahead(dict(row, ran_ahead=True, rounds_ran_ahead=1)) == "step"
     assert report._ran_ahead(dict(row, rounds=3, rounds_ran_ahead=2)) == "step in 2/3 rounds"
     assert report._ran_ahead(None) == "-"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")
+def test_kernel_counter_refuses_without_a_gpu():
+    result = subprocess.run(
+        [sys.executable, "-m", "megatron_ext.bench.kernels", "--layers", "2"], capture_output=True, text=True, cwd=ROOT
+    )
+    assert result.returncode == 2 and "needs a CUDA GPU" in result.stderr, result.stderr

@@ -1,0 +1,122 @@
+"""How many GPU operations one step launches per mode, and how many CUDA's launch queue holds.
+
+    python -m megatron_ext.bench.kernels --layers 8 --tokens 512 --hidden 512 --ffn-hidden 256 \\
+        --experts 16 --topk 2 --modes megatron,blocking,capacity+equal
+
+One CUDA GPU, one rank. A host that is free of syncs still stops once the launch queue is full,
+so a step of more operations than the queue holds cannot be enqueued whole behind a busy GPU;
+this says which side of that line a stack falls on (the bench's "ran ahead" column).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+
+def launch_queue_depth(counts=(512, 768, 1000, 1024, 1536, 2048), sleep_ms: float = 200.0) -> list[tuple[int, float]]:
+    """(kernels, host ms) for each count: tiny kernels queued behind a GPU sleep of `sleep_ms`."""
+    x = torch.zeros(1, device="cuda")
+    cycles = int(sleep_ms * 1e-3 * torch.cuda.get_device_properties(0).clock_rate * 1e3)
+    torch.cuda._sleep(1000)  # load the sleep kernel before timing anything
+    torch.cuda.synchronize()
+    results = []
+    for count in counts:
+        torch.cuda.synchronize()
+        torch.cuda._sleep(cycles)
+        start = time.perf_counter()
+        for _ in range(count):
+            x.add_(1)
+        results.append((count, (time.perf_counter() - start) * 1e3))
+        torch.cuda.synchronize()
+    return results
+
+
+def ops_per_step(stack, x) -> int:
+    """GPU operations (kernels, copies, memsets) the profiler sees in one forward+backward step."""
+
+    def step():
+        inp = x.detach().requires_grad_(True)
+        stack(inp).float().sum().backward()
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+        step()
+        torch.cuda.synchronize()
+    return sum(e.device_type == torch.autograd.DeviceType.CUDA for e in profile.events())
+
+
+def main(argv=None) -> int:
+    from megatron_ext.bench.cli import parser as bench_parser
+
+    p = argparse.ArgumentParser(prog="python -m megatron_ext.bench.kernels", description=__doc__.split("\n\n")[0])
+    for action in bench_parser()._actions:  # the bench's stack sizes, same names and defaults
+        if action.dest in ("layers", "tokens", "hidden", "ffn_hidden", "experts", "topk", "modes"):
+            p._add_action(action)
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        p.error("needs a CUDA GPU (it counts GPU operations)")
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    import megatron_ext.patches
+    from megatron_ext.bench.modes import select
+    from megatron_ext.bench.run import MoEStack, Sizes, make_inputs, megatron_config, te_import_error
+
+    try:
+        modes = select(args.modes.split(",") if args.modes else None, 1.5)
+    except ValueError as error:
+        p.error(str(error))
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29561")
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", rank=0, world_size=1)
+    parallel_state.initialize_model_parallel()
+    model_parallel_cuda_manual_seed(0)
+    applied = megatron_ext.patches.apply()
+    device = torch.device("cuda")
+    sizes = Sizes(
+        layers=args.layers,
+        tokens=args.tokens,
+        hidden=args.hidden,
+        ffn_hidden=args.ffn_hidden,
+        experts=args.experts,
+        topk=args.topk,
+        dtype="bf16",
+        skew=0.0,
+        capacity_factor=1.5,
+        steps=1,
+        check_steps=1,
+        warmup=0,
+        seed=0,
+    )
+    x = make_inputs(sizes, 0, 1, device)[0]
+    name = torch.cuda.get_device_name()
+    print(f"{name}: tiny kernels queued behind a GPU sleep (host ms; about the sleep: the queue was full)")
+    for count, host_ms in launch_queue_depth():
+        print(f"  {count:5d} kernels: {host_ms:7.1f} ms")
+    print(f"GPU operations in one forward+backward step, {args.layers} MoE layers:")
+    te_error = te_import_error()
+    for mode in modes:
+        if mode.needs_deep_ep or (mode.needs_te and te_error):
+            continue
+        stack = MoEStack(megatron_config(sizes, 1, device, mode), args.layers, mode.experts).to(device)
+        ops = ops_per_step(stack, x)
+        print(f"  {mode.name:22s} {ops:6d} ({ops / args.layers:.0f} per layer)")
+        del stack
+    megatron_ext.patches.revert(applied)
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
