@@ -39,12 +39,39 @@ def select_experts(config: Any, submodules: Any) -> Any:
     if isinstance(built, type) and issubclass(built, GroupedMLP):
         return submodules
     if isinstance(built, type) and issubclass(built, TEGroupedMLP) and config.use_transformer_engine_op_fuser:
+        _check_te_takes_device_counts(config)
         return submodules
     logger.info(
         "megatron-ext: capacity mode: experts %s -> megatron_ext.experts.GroupedMLP (counts stay on the device).",
         getattr(built, "__qualname__", built),
     )
     return dataclasses.replace(submodules, experts=GroupedMLP)
+
+
+def _check_te_takes_device_counts(config: Any) -> None:
+    """TE's op fuser keeps the counts on the device only on its graph-safe grouped GEMM. Elsewhere
+    (older TE or cuBLASLt, fp32) it reads them on the host and splits the rows by them, which fails
+    on capacity mode's extra rows deep in a step: refuse here instead, with the fix."""
+    try:
+        from transformer_engine.pytorch.ops.basic.grouped_linear import is_op_fuser_grouped_tensor_path_supported
+    except ImportError as exc:
+        reason = f"this Transformer Engine has no graph-safe grouped GEMM ({exc}; TE 2.20 has)"
+    else:
+        dtype = getattr(config, "params_dtype", None)
+        if is_op_fuser_grouped_tensor_path_supported(None, dtype):
+            return
+        reason = (
+            f"TE's graph-safe grouped GEMM does not run here for {dtype} (it needs bf16 or fp16 and, on "
+            "Hopper, cuBLASLt >= 13.4)"
+        )
+    from megatron_ext.options import HybridEPConfigError
+
+    raise HybridEPConfigError(
+        f"--moe-hybridep-capacity-factor with --use-transformer-engine-op-fuser: {reason}, so TE would read "
+        "the expert counts on the host and split the rows by them, which fails on capacity mode's extra rows. "
+        "Install nvidia-cublas>=13.4 (and TE >= 2.14), or drop --use-transformer-engine-op-fuser so that "
+        "megatron-ext builds its GroupedMLP experts."
+    )
 
 
 def wrap_init(original: Callable) -> Callable:

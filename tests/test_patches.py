@@ -4,6 +4,7 @@ Megatron-Core is imported once for the module (it is slow to import); every test
 patched behind, so other test modules in the same process see stock Megatron.
 """
 
+import contextlib
 import logging
 import subprocess
 import sys
@@ -11,6 +12,7 @@ import sys
 import megatron_ext.patches as patches
 import megatron_ext.patches._compat as compat
 import pytest
+import torch
 
 DISPATCHER = "megatron.core.transformer.moe.moe_layer.MoEFlexTokenDispatcher"
 MOE_INIT = "megatron.core.transformer.moe.moe_layer.MoELayer.__init__"
@@ -297,7 +299,9 @@ def test_capacity_mode_selects_experts_that_take_device_counts():
     from megatron_ext.experts import GroupedMLP
 
     def config(factor, op_fuser=False):
-        return types.SimpleNamespace(moe_hybridep_capacity_factor=factor, use_transformer_engine_op_fuser=op_fuser)
+        return types.SimpleNamespace(
+            moe_hybridep_capacity_factor=factor, use_transformer_engine_op_fuser=op_fuser, params_dtype=torch.bfloat16
+        )
 
     sequential = MoESubmodules(experts=functools.partial(SequentialMLP, submodules=None))
     te = MoESubmodules(experts=functools.partial(TEGroupedMLP, submodules=None))
@@ -305,6 +309,63 @@ def test_capacity_mode_selects_experts_that_take_device_counts():
     assert select_experts(config(None), sequential) is sequential  # blocking: Megatron's experts stay
     assert select_experts(config(1.5), sequential).experts is GroupedMLP  # it reads counts on the host
     assert select_experts(config(1.5), te).experts is GroupedMLP  # TE's unfused path does too
-    assert select_experts(config(1.5, op_fuser=True), te) is te  # TE's op-fuser path takes device counts
+    with _fake_te_grouped_path(supported=True):
+        assert select_experts(config(1.5, op_fuser=True), te) is te  # TE's op-fuser path takes device counts
     assert select_experts(config(1.5), ours) is ours
     assert sequential.experts.func is SequentialMLP  # the shared spec itself is never changed
+
+
+@contextlib.contextmanager
+def _fake_te_grouped_path(supported: bool):
+    """A stand-in `transformer_engine...grouped_linear` whose graph-safe check answers `supported`."""
+    import types
+
+    names = ["transformer_engine", "transformer_engine.pytorch", "transformer_engine.pytorch.ops"]
+    names += ["transformer_engine.pytorch.ops.basic", "transformer_engine.pytorch.ops.basic.grouped_linear"]
+    saved = {name: sys.modules.get(name) for name in names}
+    for name in names:
+        sys.modules[name] = types.ModuleType(name)
+    calls = []
+
+    def check(recipe, dtype):
+        calls.append((recipe, dtype))
+        return supported
+
+    sys.modules[names[-1]].is_op_fuser_grouped_tensor_path_supported = check
+    try:
+        yield calls
+    finally:
+        for name, module in saved.items():
+            if module is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = module
+
+
+def test_capacity_mode_refuses_te_op_fuser_that_would_read_counts_on_the_host():
+    import functools
+    import types
+
+    from megatron.core.transformer.moe.experts import TEGroupedMLP
+    from megatron.core.transformer.moe.moe_layer import MoESubmodules
+    from megatron_ext.patches._moe_layer import select_experts
+
+    from megatron_ext.options import HybridEPConfigError
+
+    te = MoESubmodules(experts=functools.partial(TEGroupedMLP, submodules=None))
+    config = types.SimpleNamespace(
+        moe_hybridep_capacity_factor=1.5, use_transformer_engine_op_fuser=True, params_dtype=torch.bfloat16
+    )
+    with _fake_te_grouped_path(supported=False) as calls, pytest.raises(HybridEPConfigError) as refused:
+        select_experts(config, te)
+    assert calls == [(None, torch.bfloat16)]
+    message = str(refused.value)
+    assert "--use-transformer-engine-op-fuser" in message and "cuBLASLt >= 13.4" in message
+    assert "nvidia-cublas>=13.4" in message and "GroupedMLP" in message
+    with _fake_te_grouped_path(supported=True):
+        # an older TE: no such check to import
+        del sys.modules["transformer_engine.pytorch.ops.basic.grouped_linear"].is_op_fuser_grouped_tensor_path_supported
+        with pytest.raises(HybridEPConfigError, match="no graph-safe grouped GEMM"):
+            select_experts(config, te)
+    no_fuser = types.SimpleNamespace(**{**vars(config), "use_transformer_engine_op_fuser": False})
+    assert select_experts(no_fuser, te).experts.__name__ == "GroupedMLP"  # no TE needed without the fuser
