@@ -54,6 +54,7 @@ def ops_per_step(stack, x) -> int:
 
 def main(argv=None) -> int:
     from megatron_ext.bench.cli import parser as bench_parser
+    from megatron_ext.bench.cli import sizes_of
 
     p = argparse.ArgumentParser(prog="python -m megatron_ext.bench.kernels", description=__doc__.split("\n\n")[0])
     for action in bench_parser()._actions:  # the bench's stack sizes, same names and defaults
@@ -69,7 +70,7 @@ def main(argv=None) -> int:
 
     import megatron_ext.patches
     from megatron_ext.bench.modes import select
-    from megatron_ext.bench.run import MoEStack, Sizes, make_inputs, megatron_config, te_import_error
+    from megatron_ext.bench.run import MoEStack, make_inputs, megatron_config, te_import_error
 
     try:
         modes = select(args.modes.split(",") if args.modes else None, 1.5)
@@ -83,21 +84,9 @@ def main(argv=None) -> int:
     model_parallel_cuda_manual_seed(0)
     applied = megatron_ext.patches.apply()
     device = torch.device("cuda")
-    sizes = Sizes(
-        layers=args.layers,
-        tokens=args.tokens,
-        hidden=args.hidden,
-        ffn_hidden=args.ffn_hidden,
-        experts=args.experts,
-        topk=args.topk,
-        dtype="bf16",
-        skew=0.0,
-        capacity_factor=1.5,
-        steps=1,
-        check_steps=1,
-        warmup=0,
-        seed=0,
-    )
+    full = bench_parser().parse_args([])  # the bench's defaults for all it does not ask
+    vars(full).update(vars(args), dtype="bf16")
+    sizes = sizes_of(full)
     x = make_inputs(sizes, 0, 1, device)[0]
     name = torch.cuda.get_device_name()
     print(f"{name}: tiny kernels queued behind a GPU sleep (host ms; about the sleep: the queue was full)")
