@@ -7,7 +7,10 @@ Each rank routes random tokens (top-k of E experts), then runs the blocking disp
 non-blocking one sized to ceil(rows x factor), the latter under `forbid_host_sync()`. It checks
 that combine(dispatch(x)) gives each token x times the number of its experts, that the
 non-blocking rows, counts and combine equal the blocking ones bitwise with the overflow flag 0,
-and that too small a capacity raises the flag. It prints the bytes each mode sent.
+and that too small a capacity raises the flag. It prints the bytes each mode sent and, with two
+ranks or more, the bandwidth of dispatch and of combine: the bytes a rank sends to the other ranks,
+each counted once, over the median time of the call (CUDA events with nccl, the host clock with
+gloo), next to a plain `all_to_all_single` of as many bytes and NVLink's 450 GB/s per direction.
 """
 
 from __future__ import annotations
@@ -50,6 +53,69 @@ def _host_ms(fn, iters: int) -> float:
         fn()
         times.append((time.perf_counter() - start) * 1e3)
     return sorted(times)[len(times) // 2]
+
+
+NVLINK_GBPS = 450.0  # NVLink 4 (H100/H200 SXM): 450 GB/s per direction per GPU
+
+
+def _device_ms(fn, iters: int, device: torch.device) -> float:
+    """Median time of `fn()`: CUDA events around each call on a GPU, the host clock on CPU."""
+    if device.type != "cuda":
+        return _host_ms(fn, iters)
+    fn()  # warm-up
+    pairs = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        pairs.append((start, end))
+    torch.cuda.synchronize()
+    times = sorted(s.elapsed_time(e) for s, e in pairs)
+    return times[len(times) // 2]
+
+
+def _bandwidth_lines(rank, world_size, iters, device, buf, dispatch, capacity) -> list[str]:
+    """Dispatch and combine GB/s per rank, blocking and non-blocking, against a raw all_to_all_single."""
+    if world_size == 1:
+        return [f"rank {rank}: one rank: nothing crosses ranks, no bandwidth to report"]
+    lines = []
+    for name, cap in (("blocking", None), ("non-blocking", capacity)):
+        rows, _, _, _, handle = dispatch(cap)
+        sent = buf.last_dispatch_traffic.total
+        dispatch_ms = _device_ms(lambda cap=cap: dispatch(cap), iters, device)
+        combine = lambda rows=rows, handle=handle: buf.combine_with_unpermute(hidden=rows, handle=handle)  # noqa: E731
+        combine()
+        returned = buf.last_combine_traffic.total
+        combine_ms = _device_ms(combine, iters, device)
+        raw_ms = _raw_all_to_all_ms(sent, world_size, iters, device)
+        lines.append(
+            f"rank {rank}: {name}: dispatch {sent} B in {dispatch_ms:.3f} ms = {_gbps(sent, dispatch_ms)}, "
+            f"combine {returned} B in {combine_ms:.3f} ms = {_gbps(returned, combine_ms)}; all_to_all_single of "
+            f"the dispatch's bytes: {raw_ms:.3f} ms = {_gbps(sent, raw_ms)} (NVLink: {NVLINK_GBPS:.0f} GB/s per "
+            "direction)"
+        )
+    return lines
+
+
+def _gbps(nbytes: int, ms: float) -> str:
+    return f"{nbytes / ms / 1e6:.3g} GB/s" if ms > 0 else "-"
+
+
+def _raw_all_to_all_ms(nbytes: int, world_size: int, iters: int, device: torch.device) -> float:
+    """Median time of an all_to_all_single in which this rank sends `nbytes` to the other ranks,
+    evenly (each rank's share is its own, so the receive sizes are gathered first)."""
+    per_rank = -(-nbytes // (world_size - 1))
+    shares = torch.empty(world_size, dtype=torch.int64, device=device)
+    dist.all_gather_into_tensor(shares, torch.tensor([per_rank], device=device))
+    incoming = shares.tolist()
+    send = torch.ones(world_size * per_rank, dtype=torch.uint8, device=device)
+    recv = torch.empty(sum(incoming), dtype=torch.uint8, device=device)
+
+    def exchange():
+        dist.all_to_all_single(recv, send, output_split_sizes=incoming, input_split_sizes=[per_rank] * world_size)
+
+    return _device_ms(exchange, iters, device)
 
 
 def _run(rank: int, world_size: int, args) -> tuple[list[str], list[str]]:
@@ -112,12 +178,14 @@ def _run(rank: int, world_size: int, args) -> tuple[list[str], list[str]]:
     check(int(tight[4][10]) == int(exact > tight_capacity), "overflow flag wrong with too little capacity")
     host_blocking = _host_ms(dispatch, args.iters)
     host_nb = _host_ms(lambda: dispatch(capacity), args.iters)
+    bandwidth = _bandwidth_lines(rank, world_size, args.iters, device, buf, dispatch, capacity)
     lines = [
         f"rank {rank}: {exact} rows exact, capacity {capacity}; host ms per dispatch call: "
         f"blocking {host_blocking:.2f}, non-blocking {host_nb:.2f}",
         f"rank {rank}: bytes sent per dispatch (map + hidden + probs): blocking {blocking_traffic.total} "
         f"({blocking_traffic.routing_map} + {blocking_traffic.hidden} + {blocking_traffic.probs}), "
         f"non-blocking {nb_traffic.total} ({nb_traffic.routing_map} + {nb_traffic.hidden} + {nb_traffic.probs})",
+        *bandwidth,
     ]
     return lines, failures
 

@@ -1,5 +1,6 @@
 """The buffer round trip (`python -m megatron_ext.roundtrip`) runs across spawned ranks and reports OK."""
 
+import re
 import subprocess
 import sys
 
@@ -30,6 +31,15 @@ def test_roundtrip_on_two_cpu_ranks():
     assert result.returncode == 0, result.stdout + result.stderr
     assert "OK: combine(dispatch(x))" in result.stdout
     assert result.stdout.count("bytes sent per dispatch") == 2  # one line per rank
+    for rank in (0, 1):  # bandwidth lines count the same bytes as the traffic line
+        traffic_line = rf"rank {rank}: bytes sent per dispatch .*: blocking (\d+) .*, non-blocking (\d+) "
+        traffic = re.search(traffic_line, result.stdout)
+        for mode, sent in zip(("blocking", "non-blocking"), traffic.groups()):
+            bandwidth_line = rf"rank {rank}: {mode}: dispatch (\d+) B in [\d.]+ ms = [\d.e+-]+ GB/s, combine"
+            line = re.search(bandwidth_line, result.stdout)
+            assert line and line.group(1) == sent, (mode, result.stdout)
+        assert result.stdout.count(f"rank {rank}: non-blocking: dispatch") == 1
+    assert result.stdout.count("all_to_all_single of the dispatch's bytes") == 4
 
 
 def test_bad_flags_are_refused_with_the_fix():
