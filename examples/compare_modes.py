@@ -29,6 +29,15 @@ MODES = ("blocking", "capacity")
 COMPARED = ("lm loss", "load_balancing_loss", "grad norm")  # as printed by Megatron's training log
 ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|")
 FIELD = re.compile(r"\|\s*([^|:]+?):\s*([^|]+?)\s*(?=\|)")
+ARGUMENT = re.compile(r"^\s+(seq_length|global_batch_size|world_size) \.+ (\d+)\s*$", re.MULTILINE)
+
+
+def tokens_per_step_and_gpus(text: str) -> tuple[int, int] | None:
+    """(global batch x sequence length, world size) from Megatron's argument listing, if printed."""
+    found = dict((name, int(value)) for name, value in ARGUMENT.findall(text))
+    if {"seq_length", "global_batch_size", "world_size"} <= found.keys():
+        return found["seq_length"] * found["global_batch_size"], found["world_size"]
+    return None
 
 
 def parse_log(text: str) -> dict[int, dict[str, str]]:
@@ -74,6 +83,7 @@ def main(argv=None) -> int:
     os.makedirs(args.log_dir, exist_ok=True)
 
     runs = []  # (mode, parsed log)
+    shape = None  # (tokens per step, GPUs) from the first run's argument listing
     for attempt in range(args.repeat):
         for mode in MODES:
             log = Path(args.log_dir) / f"{mode}-{attempt + 1}.log"
@@ -86,6 +96,7 @@ def main(argv=None) -> int:
                 print(f"FAILED: MODE={mode} exited {code} after {len(parsed)} logged iterations; see {log}")
                 return 1
             runs.append((mode, parsed))
+            shape = shape or tokens_per_step_and_gpus(log.read_text())
 
     reference = runs[0][1]
     print(f"\n{len(reference)} iterations, {args.repeat} run(s) per mode; compared: {', '.join(COMPARED)}")
@@ -99,10 +110,9 @@ def main(argv=None) -> int:
     for mode in MODES:
         values = medians[mode]
         spread = f" (runs: {', '.join(f'{v:.1f}' for v in values)})" if len(values) > 1 else ""
-        print(
-            f"{mode:>9}: {statistics.median(values):.1f} ms per iteration, median after iteration "
-            f"{args.skip_iters}{spread}"
-        )
+        median = statistics.median(values)
+        rate = f", {shape[0] / (median / 1e3) / shape[1]:,.0f} tokens/s/GPU" if shape else ""
+        print(f"{mode:>9}: {median:.1f} ms per iteration{rate}, median after iteration {args.skip_iters}{spread}")
     ratio = statistics.median(medians["capacity"]) / statistics.median(medians["blocking"])
     print(f"capacity / blocking step time: {ratio:.3f}")
     last = reference[max(reference)]

@@ -223,7 +223,12 @@ def test_training_command_runs_the_dry_run_arguments(stubs, tmp_path, script, en
 # ------------------------------------------------------------------ compare_modes.py
 
 FAKE_TRAINING = r"""
-# Prints Megatron-style iteration lines; capacity mode is 20 % faster; $DIFFER_AT changes one loss.
+# Prints Megatron's argument listing and iteration lines; capacity mode is 20 % faster; $DIFFER_AT
+# changes one loss.
+echo "------------------------ arguments ------------------------"
+echo "  global_batch_size ............................... 2"
+echo "  seq_length ...................................... 512"
+echo "  world_size ...................................... 2"
 for i in 1 2 3 4; do
   ms=100.0; [[ $MODE == capacity ]] && ms=80.0
   loss=5.12345${i}E+00; [[ $MODE == capacity && ${DIFFER_AT:-0} == $i ]] && loss=5.12346${i}E+00
@@ -249,6 +254,9 @@ def test_compare_modes_reports_identical_losses_and_the_step_time_ratio(tmp_path
     assert result.returncode == 0, result.stdout + result.stderr
     assert "4 iterations, 2 run(s) per mode" in result.stdout
     assert "capacity / blocking step time: 0.800" in result.stdout
+    # 2 x 512 tokens per iteration over 2 GPUs: 512 per GPU in 100 and 80 ms
+    assert "blocking: 100.0 ms per iteration, 5,120 tokens/s/GPU" in result.stdout
+    assert "capacity: 80.0 ms per iteration, 6,400 tokens/s/GPU" in result.stdout
     assert "IDENTICAL" in result.stdout
     assert sorted(p.name for p in (tmp_path / "logs").iterdir()) == [
         "blocking-1.log",
