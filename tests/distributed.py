@@ -1,4 +1,5 @@
-"""Run a function on W spawned CPU ranks with a gloo process group (one spawn, many cases)."""
+"""Run a function on W spawned ranks (one spawn, many cases): CPU ranks on gloo, or one rank per
+GPU on NCCL."""
 
 from __future__ import annotations
 
@@ -12,22 +13,28 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _entry(rank, world_size, init_file, fn, args):
+def _entry(rank, world_size, init_file, fn, args, backend="gloo"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    if backend == "nccl":
+        import torch
+
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     try:
         fn(rank, world_size, *args)
     finally:
         dist.destroy_process_group()
 
 
-def run_ranks(world_size: int, fn, *args) -> None:
+def run_ranks(world_size: int, fn, *args, backend: str = "gloo") -> None:
     """Call fn(rank, world_size, *args) on `world_size` processes; re-raise the first failure.
 
-    `fn` must be importable (a module-level function of a test module).
+    `fn` must be importable (a module-level function of a test module). With backend "nccl" rank i
+    runs on GPU i.
     """
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_entry, args=(world_size, os.path.join(tmp, "init"), fn, args), nprocs=world_size, join=True)
+        entry_args = (world_size, os.path.join(tmp, "init"), fn, args, backend)
+        mp.spawn(_entry, args=entry_args, nprocs=world_size, join=True)
 
 
 class Checks:

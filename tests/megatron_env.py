@@ -10,10 +10,24 @@ import torch
 from megatron_ext.patches.cpu import use_cpu_ranks
 
 
+def on_gpu() -> bool:
+    """True on NCCL ranks (one GPU each): layers and inputs go to the rank's GPU."""
+    import torch.distributed as dist
+
+    return dist.is_initialized() and dist.get_backend() == "nccl"
+
+
 def init_megatron(world_size: int) -> None:
-    """Megatron's parallel state with every rank in one expert-parallel group (gloo already up)."""
+    """Megatron's parallel state with every rank in one expert-parallel group (the process group
+    already up): CPU stand-ins on gloo ranks, Megatron's CUDA RNG on NCCL ranks."""
     from megatron.core import parallel_state
 
+    if on_gpu():
+        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+        parallel_state.initialize_model_parallel(expert_model_parallel_size=world_size)
+        model_parallel_cuda_manual_seed(1)
+        return
     use_cpu_ranks()
     parallel_state.initialize_model_parallel(expert_model_parallel_size=world_size)
 
@@ -59,7 +73,8 @@ def moe_layer(config, experts: str = "spec", seed: int = 1234):
 
         submodules = experts_spec(experts, config.num_moe_experts)
     torch.manual_seed(seed)
-    return MoELayer(config, submodules=submodules, layer_number=1)
+    layer = MoELayer(config, submodules=submodules, layer_number=1)
+    return layer.cuda() if on_gpu() else layer
 
 
 def copy_weights(source, target) -> None:
@@ -88,4 +103,5 @@ def run_steps(layer, inputs, wrap=None):
 def step_inputs(rank: int, steps: int, tokens: int, hidden: int, seed: int = 0):
     """Fresh `[tokens, 1, hidden]` inputs per step and rank (dynamic routing)."""
     generator = torch.Generator().manual_seed(seed * 1000 + rank)
-    return [torch.randn(tokens, 1, hidden, generator=generator) for _ in range(steps)]
+    inputs = [torch.randn(tokens, 1, hidden, generator=generator) for _ in range(steps)]
+    return [x.cuda() for x in inputs] if on_gpu() else inputs

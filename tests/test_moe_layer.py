@@ -321,13 +321,16 @@ CHECKS = (
 FOUR_RANKS_ONLY = {tensor_and_expert_parallel.__name__}
 
 
-def _worker(rank, world_size, out_dir):
+def _worker(rank, world_size, out_dir, names=None):
+    """Run the checks named (default: all) on this rank and save their outcomes."""
     init_megatron(world_size)
     import megatron_ext.patches
 
     megatron_ext.patches.apply()
     checks = Checks()
     for check in CHECKS:
+        if names is not None and check.__name__ not in names:
+            continue
         if check.__name__ not in FOUR_RANKS_ONLY or world_size == 4:
             checks.run(check.__name__, check, rank, world_size)
     checks.save(out_dir, rank)

@@ -1,0 +1,52 @@
+"""The MoE layer checks of `tests/test_moe_layer.py` with expert parallelism over every GPU of the
+machine: one NCCL rank per GPU, two GPUs or more (skipped otherwise, reason printed).
+
+The same check functions as on CPU gloo ranks: capacity mode bitwise equal to blocking with the
+steps after calibration under the sync guard, the capacity taken from the EP-group maximum, equal
+counts without the all-reduce, routing-map reuse, no flags equal to stock Megatron's alltoall, and
+TP 2 x EP 2 on four GPUs. Left out: the checks whose failure path is a device assert (on a GPU it
+ends the process instead of raising: `tests/test_gpu_moe_layer.py` covers it on one GPU), the
+deep_ep stand-in, and the host-read count of a blocking dispatch (CUDA's sync-debug mode reports
+the same read again on a GPU).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.distributed import assert_ok, merged_results, run_ranks
+from tests.test_moe_layer import FOUR_RANKS_ONLY, _worker
+
+pytestmark = pytest.mark.gpu
+
+GPU_CHECKS = (
+    "dispatcher_is_ours_with_flags",
+    "no_flags_equal_stock_alltoall",
+    "capacity_1_0_equals_blocking",
+    "capacity_1_5_equals_blocking",
+    "capacity_2_0_equals_blocking",
+    "equal_token_counts_skip_the_all_reduce",
+    "moe_recompute_same_gradients",
+    "full_recompute_same_gradients",
+    "reuse_allgather_buffer",
+    "tensor_and_expert_parallel",
+)
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    gpus = torch.cuda.device_count()
+    if gpus < 2:
+        pytest.skip(f"needs 2 or more GPUs for expert parallelism across GPUs (found {gpus})")
+    out_dir = tmp_path_factory.mktemp("moe_gpus")
+    run_ranks(gpus, _worker, str(out_dir), GPU_CHECKS, backend="nccl")
+    return gpus, merged_results(out_dir, gpus)
+
+
+@pytest.mark.parametrize("check", GPU_CHECKS)
+def test_moe_layer_across_gpus(results, check):
+    gpus, outcomes = results
+    if check in FOUR_RANKS_ONLY and gpus != 4:
+        pytest.skip("needs exactly 4 GPUs (TP 2 x EP 2)")
+    assert_ok(outcomes, check)
