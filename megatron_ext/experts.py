@@ -6,6 +6,10 @@ sum(tokens_per_expert) are real. The counts stay on the device: the expert bound
 `torch.nn.functional.grouped_mm` as device offsets, and the rows past them are masked to zero,
 forward and backward, instead of being cut off on the host.
 
+With `--recompute-granularity selective --recompute-modules moe_act` (as TEGroupedMLP honours it)
+the activation's output is freed once fc2 has read it and recomputed in the backward, so only the
+fc1 output and the probs stay saved for it.
+
 Parameters live as one stacked tensor per linear ([L, out, in]), so the GEMMs read them without a
 per-step copy; `state_dict()` presents them as TE GroupedLinear's per-expert `weight{i}`/`bias{i}`
 (plus its empty `_extra_state`) so checkpoints carry over to and from `TEGroupedMLP`.
@@ -28,6 +32,65 @@ from megatron.core.utils import get_pg_rank, get_pg_size
 
 def _refuse(flag: str, problem: str, fix: str) -> ValueError:
     return ValueError(f"megatron_ext GroupedMLP does not support {problem} (`{flag}`); {fix}.")
+
+
+class _ActivationRecompute:
+    """Runs `fn(h, probs)` without keeping its output: the output's memory is released once the
+    next GEMM has consumed it (`release`) and refilled by recomputing `fn` just before that GEMM's
+    backward needs it (a hook on the GEMM's output). Only `h` and `probs` stay saved."""
+
+    def __init__(self):
+        self.ctx = None
+        self.output: torch.Tensor | None = None
+
+    def __call__(self, fn, h: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+        self.output = _DiscardedOutput.apply(fn, self, h, probs)
+        return self.output
+
+    def release(self, consumer_output: torch.Tensor) -> None:
+        if not consumer_output.requires_grad:  # no backward will come: nothing to recompute
+            return
+        self.output.untyped_storage().resize_(0)
+        consumer_output.register_hook(self._recompute)
+
+    def _recompute(self, _grad) -> None:
+        ctx, output = self.ctx, self.output
+        if ctx is None:  # already recomputed (the hook fires once per backward)
+            return
+        h, probs = (t.detach().requires_grad_(t.requires_grad) for t in ctx.saved_tensors)
+        with torch.enable_grad():
+            recomputed = ctx.fn(h, probs)
+        # Refill the released storage in place: the GEMM saved `output` itself for its backward.
+        # A storage copy leaves the tensor's version counter alone, as autograd requires.
+        storage = output.untyped_storage()
+        storage.resize_(recomputed.untyped_storage().nbytes())
+        storage.copy_(recomputed.untyped_storage())
+        ctx.recomputed = (h, probs, recomputed)
+        self.ctx = self.output = None
+
+
+class _DiscardedOutput(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, fn, owner: _ActivationRecompute, h, probs):
+        with torch.no_grad():
+            out = fn(h, probs)
+        ctx.fn = fn
+        ctx.recomputed = None
+        ctx.save_for_backward(h, probs)
+        owner.ctx = ctx
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.recomputed is None:
+            raise RuntimeError(
+                "megatron_ext GroupedMLP: the moe_act recompute did not run before the activation's backward "
+                "(use .backward(), not torch.autograd.grad on part of the graph, with --recompute-modules moe_act)."
+            )
+        h, probs, out = ctx.recomputed
+        ctx.recomputed = None
+        torch.autograd.backward(out, grad)
+        return None, None, h.grad, probs.grad
 
 
 class _ExpertLinear(torch.nn.Module):
@@ -128,6 +191,10 @@ class GroupedMLP(MegatronModule):
                 param.tensor_model_parallel = pname == "weight" or linear is self.linear_fc1
                 if param.tensor_model_parallel:
                     param.partition_dim, param.partition_stride = (dim if pname == "weight" else 1), 1
+        # Megatron's --recompute-modules moe_act, as TEGroupedMLP reads it.
+        self.activation_recompute = config.recompute_granularity == "selective" and "moe_act" in (
+            config.recompute_modules or []
+        )
 
     @staticmethod
     def _check_config(config: TransformerConfig, expt_tp_size: int) -> None:
@@ -143,6 +210,13 @@ class GroupedMLP(MegatronModule):
             raise _refuse("--fp8-format / --fp4-format", "fp8/fp4 experts", "train the experts in bf16")
         if config.moe_apply_probs_on_input:
             raise _refuse("--moe-apply-probs-on-input", "probs applied on the input", "leave it off")
+        offloaded = sorted({"expert_fc1", "moe_act", "fused_group_mlp"} & set(config.offload_modules or []))
+        if config.fine_grained_activation_offloading and offloaded:
+            raise _refuse(
+                "--offload-modules",
+                f"offloading the experts' activations ({', '.join(offloaded)})",
+                "drop them from --offload-modules (--recompute-modules moe_act saves the activation's memory)",
+            )
         if config.delay_wgrad_compute or config.overlap_dispatch_backward_with_experts_wgrad:
             raise _refuse(
                 "--delay-wgrad-compute / --overlap-dispatch-backward-with-experts-wgrad",
@@ -178,7 +252,7 @@ class GroupedMLP(MegatronModule):
         Returns:
             (output [P, H] in the input dtype with the padding rows exactly zero, None).
         """
-        x, cfg = permuted_local_hidden_states, self.config
+        x = permuted_local_hidden_states
         rows, dtype = x.shape[0], x.dtype
         # Expert boundaries as grouped_mm wants them: inclusive cumulative counts, int32, on the
         # device; clamped to P so that bad counts can never make it read past the rows it has.
@@ -196,22 +270,30 @@ class GroupedMLP(MegatronModule):
         h = F.grouped_mm(x, self.linear_fc1.weight.transpose(1, 2), offs=offsets)
         if self.linear_fc1.bias is not None:
             h = h + F.pad(self.linear_fc1.bias, (0, 0, 0, 1))[expert]
+        recompute = _ActivationRecompute() if self.activation_recompute else None
+        h = recompute(self._activation, h, probs) if recompute else self._activation(h, probs)
+        out = F.grouped_mm(h, self.linear_fc2.weight.transpose(1, 2), offs=offsets)
+        if recompute:
+            recompute.release(out)
+        if self.linear_fc2.bias is not None:  # TEGroupedMLP adds the fc2 bias weighted by the probs
+            out = (out + F.pad(self.linear_fc2.bias, (0, 0, 0, 1))[expert] * probs).to(dtype)
+        # ... and the outputs there, which grouped_mm did not write.
+        return torch.where(real, out, 0), None
+
+    def _activation(self, h: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+        """The activation (GLU or not) weighted by the float32 probs, back in h's dtype, as
+        TEGroupedMLP's unfused path computes it."""
+        cfg = self.config
         if cfg.gated_linear_unit:
             gate, linear = torch.chunk(h, 2, dim=-1)
             if (clamp := cfg.activation_func_clamp_value) is not None:
                 gate, linear = gate.clamp(max=clamp), linear.clamp(min=-clamp, max=clamp)
             if cfg.glu_linear_offset:
                 linear = linear + cfg.glu_linear_offset
-            h = cfg.activation_func(gate) * linear
+            act = cfg.activation_func(gate) * linear
         else:
-            h = cfg.activation_func(h)
-        # As TEGroupedMLP's unfused path: weigh by the float32 probs, then back to the input dtype.
-        h = (h * probs).to(dtype)
-        out = F.grouped_mm(h, self.linear_fc2.weight.transpose(1, 2), offs=offsets)
-        if self.linear_fc2.bias is not None:  # TEGroupedMLP adds the fc2 bias weighted by the probs
-            out = (out + F.pad(self.linear_fc2.bias, (0, 0, 0, 1))[expert] * probs).to(dtype)
-        # ... and the outputs there, which grouped_mm did not write.
-        return torch.where(real, out, 0), None
+            act = cfg.activation_func(h)
+        return (act * probs).to(h.dtype)
 
     def backward_dw(self) -> None:
         """Nothing to do: weight gradients are computed in the ordinary backward."""

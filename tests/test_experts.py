@@ -328,6 +328,8 @@ REFUSED = [
     (dict(dtype=torch.bfloat16, hidden_size=12), "--hidden-size"),
     (dict(dtype=torch.bfloat16, moe_ffn_hidden_size=20), "--moe-ffn-hidden-size"),
     (dict(dtype=torch.float32, moe_ffn_hidden_size=22), "--moe-ffn-hidden-size"),
+    (dict(fine_grained_activation_offloading=True, offload_modules=["moe_act"]), "--offload-modules"),
+    (dict(fine_grained_activation_offloading=True, offload_modules=["expert_fc1"]), "--offload-modules"),
 ]
 
 
@@ -393,3 +395,61 @@ def test_dist_checkpoint_interchanges_with_te_layout(pg, tmp_path):
         if "weight" in name:
             got = loaded[name]
             assert torch.equal(torch.cat(got) if isinstance(got, list) else got, expected), name
+
+
+MOE_ACT = dict(recompute_granularity="selective", recompute_modules=["moe_act"])
+
+
+def _saved_bytes(module, x, counts, probs) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Bytes the forward leaves saved for the backward (each storage once, as it stands once the
+    forward has returned), and the output, x and probs of that forward."""
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    x, probs = x.clone().requires_grad_(), probs.clone().requires_grad_()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out, _ = module(x, counts, probs)
+    params = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in saved}
+    return sum(n for ptr, n in storages.items() if ptr not in params), out, x, probs
+
+
+@pytest.mark.parametrize("cfg", [CASES[2], CASES[4], CASES[5]])
+def test_moe_act_recompute_frees_the_activation_and_changes_nothing(pg, cfg):
+    """--recompute-modules moe_act: bitwise the same outputs and gradients, and no longer saved for
+    the backward: with GLU silu(gate), silu(gate) * linear and the weighted output (3 [P, FFN]
+    tensors); without GLU the activation's output and the weighted output (2)."""
+    plain = _experts(pg, **cfg)
+    recomputed = _experts(pg, **cfg, **MOE_ACT)
+    assert recomputed.activation_recompute and not plain.activation_recompute
+    x, counts, probs = _inputs(cfg["dtype"], device="cpu")
+    grad = _output_grad(x, sum(COUNTS))
+    expected = _run(plain, x, counts, probs, grad)
+    expected_grads = {k: v.clone() for k, v in _grads_per_expert(plain).items()}
+    actual = _run(recomputed, x, counts, probs, grad)
+    for what in (0, 2, 3):  # the output, and the gradients of x and probs
+        assert torch.equal(expected[what], actual[what]), what
+    assert all(torch.equal(g, expected_grads[k]) for k, g in _grads_per_expert(recomputed).items())
+
+    rows, element = x.shape[0], x.element_size()
+    without, _, _, _ = _saved_bytes(plain, x, counts, probs)
+    with_recompute, out, x_in, probs_in = _saved_bytes(recomputed, x, counts, probs)
+    freed = 3 if recomputed.config.gated_linear_unit else 2
+    assert without - with_recompute == freed * rows * FFN * element, (without, with_recompute)
+    out.backward(grad)  # the released output is recomputed for the backward, twice in a row too
+    assert x_in.grad is not None and torch.equal(x_in.grad, actual[2])
+    assert torch.equal(probs_in.grad, actual[3])
+
+
+def test_moe_act_recompute_without_grad_and_under_the_sync_guard(pg):
+    module = _experts(pg, dtype=torch.bfloat16, **MOE_ACT)
+    x, counts, probs = _inputs(torch.bfloat16)
+    with torch.no_grad():
+        reference, _ = module(x, counts, probs)  # nothing is released or hooked without a backward
+    grad = _output_grad(x, sum(COUNTS))
+    with forbid_host_sync():
+        out, _, x_grad, _ = _run(module, x, counts, probs, grad)
+    assert torch.equal(out, reference) and x_grad.shape == x.shape

@@ -29,6 +29,7 @@ GPU_CHECKS = (
     "equal_token_counts_skip_the_all_reduce",
     "moe_recompute_same_gradients",
     "full_recompute_same_gradients",
+    "moe_act_recompute_kept_in_capacity_mode",
     "reuse_allgather_buffer",
     "tensor_and_expert_parallel",
 )

@@ -226,6 +226,20 @@ def full_recompute_same_gradients(rank, world):
     _recompute_same_gradients(rank, world, "full")
 
 
+def moe_act_recompute_kept_in_capacity_mode(rank, world):
+    """--recompute-modules moe_act survives the swap to GroupedMLP: the same results, recomputed."""
+    from megatron_ext.experts import GroupedMLP
+
+    capacity = dict(**FLEX, moe_hybridep_capacity_factor=1.5)
+    moe_act = dict(moe_grouped_gemm=True, recompute_granularity="selective", recompute_modules=["moe_act"])
+    plain = moe_layer(make_config(world, **capacity), experts="grouped")
+    recomputed = moe_layer(make_config(world, **capacity, **moe_act), seed=9)  # Megatron's spec, swapped
+    assert isinstance(recomputed.experts, GroupedMLP) and recomputed.experts.activation_recompute
+    copy_weights(plain, recomputed)
+    inputs = step_inputs(rank, 3, 32, HIDDEN, seed=11)
+    _assert_same(run_steps(plain, inputs), run_steps(recomputed, inputs))
+
+
 def reuse_allgather_buffer(rank, world):
     from megatron_ext.hybridep.buffers import release_buffers
 
@@ -312,6 +326,7 @@ CHECKS = (
     verify_catches_unequal_counts,
     moe_recompute_same_gradients,
     full_recompute_same_gradients,
+    moe_act_recompute_kept_in_capacity_mode,
     reuse_allgather_buffer,
     deep_ep_buffer_through_the_same_path,
     tensor_and_expert_parallel,
