@@ -39,6 +39,8 @@ def aggregate(mode: Mode, per_rank: list[dict]) -> dict[str, Any]:
     runaheads = [r["runahead"] for r in per_rank if r["runahead"]]
     first = per_rank[0]
     rounds = [max(times) for times in zip(*(r["round_step_ms"] for r in per_rank))]  # slowest rank per round
+    probed_rounds = len(first["ran_ahead_rounds"])
+    rounds_ran_ahead = min(sum(r["ran_ahead_rounds"]) for r in per_rank)  # on every rank
     return dict(
         name=mode.name,
         summary=mode.summary,
@@ -66,9 +68,9 @@ def aggregate(mode: Mode, per_rank: list[dict]) -> dict[str, Any]:
         runahead=None
         if not runaheads
         else dict(
-            ran_ahead=all(all(r["ran_ahead_rounds"]) for r in per_rank),
-            rounds_ran_ahead=min(sum(r["ran_ahead_rounds"]) for r in per_rank),
-            rounds=len(first["ran_ahead_rounds"]),
+            ran_ahead=rounds_ran_ahead == probed_rounds,
+            rounds_ran_ahead=rounds_ran_ahead,
+            rounds=probed_rounds,
             dispatches_ahead=min(min(r["dispatches_ahead_rounds"]) for r in per_rank),
             dispatches=runaheads[0]["dispatches"],
             host_idle_ms=max(r["host_idle_ms"] for r in runaheads),
