@@ -1,0 +1,136 @@
+"""megatron_ext.fused: the Triton kernels against plain torch references, on fresh random inputs.
+
+They run on a GPU (`gpu` mark) and, on CPU, under Triton's interpreter: `test_interpreter.py`
+runs this file (and the fused paths of the experts and the buffer) with TRITON_INTERPRET=1.
+Elsewhere the CPU cases skip. Rows at or past the device count n hold NaN, and indices there
+point far out of range: a kernel that read them would poison its output or fault.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatron_ext import fused
+
+DEVICES = [
+    pytest.param(
+        "cpu",
+        marks=pytest.mark.skipif(
+            not fused.interpreting(), reason="CPU runs the kernels under TRITON_INTERPRET=1 (test_interpreter.py)"
+        ),
+    ),
+    pytest.param("cuda", marks=pytest.mark.gpu),
+]
+# (rows C, real rows n, width F): n = 0 and n = C, a width that is no power of two, and one wider
+# than a kernel's column block (so it loops).
+SHAPES = [(37, 29, 24), (16, 0, 8), (16, 16, 40), (9, 5, 1500)]
+ACTIVATIONS = [(fused.SILU, F.silu), (fused.GELU, F.gelu)]
+
+
+def _count(n: int, device: str, dtype=torch.int64) -> torch.Tensor:
+    return torch.tensor([n], dtype=dtype, device=device)
+
+
+def _poisoned(shape, n: int, gen, device, dtype=torch.float32) -> torch.Tensor:
+    t = torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype)
+    t[n:] = float("nan")
+    return t.to(device)
+
+
+def _reference(h, probs, gated, fn):
+    if gated:
+        gate, linear = h.chunk(2, dim=-1)
+        return fn(gate) * linear * probs[:, None]
+    return fn(h) * probs[:, None]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "C{}-n{}-F{}".format(*s))
+@pytest.mark.parametrize("gated", [True, False], ids=["glu", "plain"])
+@pytest.mark.parametrize("activation", ACTIVATIONS, ids=["silu", "gelu"])
+def test_activation_probs_forward_and_backward(device, shape, gated, activation):
+    rows, n, width = shape
+    code, fn = activation
+    gen = torch.Generator().manual_seed(rows * 1000 + n + width + 7 * code + gated)
+    h = _poisoned((rows, 2 * width if gated else width), n, gen, device)
+    probs = _poisoned((rows,), n, gen, device).abs()
+    grad = _poisoned((rows, width), n, gen, device)
+    out = fused.activation_probs(h, probs, _count(n, device, torch.int32), gated=gated, activation=code)
+    grad_h, grad_probs = fused.activation_probs_backward(
+        grad, h, probs, _count(n, device), gated=gated, activation=code
+    )
+
+    ref_h = h[:n].double().requires_grad_()
+    ref_probs = probs[:n].double().requires_grad_()
+    ref = _reference(ref_h, ref_probs, gated, fn)
+    ref.backward(grad[:n].double())
+    assert out.shape == (rows, width) and grad_h.shape == h.shape and grad_probs.shape == (rows,)
+    torch.testing.assert_close(out[:n].double(), ref.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grad_h[:n].double(), ref_h.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grad_probs[:n].double(), ref_probs.grad, rtol=1e-5, atol=1e-5)
+    assert not grad_probs[n:].any(), "grad_probs past n must be zero"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_activation_probs_in_bf16_rounds_once_from_float32(device):
+    gen = torch.Generator().manual_seed(3)
+    h = torch.randn(64, 2 * 48, generator=gen).to(device=device, dtype=torch.bfloat16)
+    probs = torch.rand(64, generator=gen).to(device)
+    out = fused.activation_probs(h, probs, _count(64, device), gated=True, activation=fused.SILU)
+    assert out.dtype == torch.bfloat16
+    exact = _reference(h.double(), probs.double(), True, F.silu)
+    # One rounding of the float32 result (Triton's interpreter truncates, a GPU rounds to nearest).
+    torch.testing.assert_close(out.double(), exact, rtol=2**-7, atol=1e-6)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows, n, width", [(50, 31, 24), (8, 0, 16), (12, 12, 2000)])
+def test_gather_rows_copies_the_first_n_rows_exactly(device, dtype, rows, n, width):
+    gen = torch.Generator().manual_seed(rows + n + width)
+    src = torch.randn(20, width, generator=gen).to(device=device, dtype=dtype)
+    index = torch.randint(0, 20, (rows,), generator=gen)
+    index[n:] = 10**9  # never read
+    out = fused.gather_rows(src, index.to(device), _count(n, device))
+    assert out.shape == (rows, width) and out.dtype == dtype
+    assert torch.equal(out[:n], src[index[:n].to(device)])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("slots, experts, width", [(13, 4, 24), (5, 1, 8), (9, 6, 1100), (0, 3, 8)])
+def test_sum_rows_per_slot_adds_in_table_order_in_float32(device, slots, experts, width):
+    gen = torch.Generator().manual_seed(slots * 31 + experts + width)
+    rows = torch.randn(40, width, generator=gen).to(torch.bfloat16)
+    table = torch.randint(0, 40, (slots, experts), generator=gen, dtype=torch.int32)
+    table[torch.rand(slots, experts, generator=gen) < 0.4] = -1
+    listed = torch.zeros(40, dtype=torch.bool)
+    listed[table[table >= 0].long()] = True
+    rows[~listed] = float("nan")  # rows no slot names are never read
+    expected = torch.zeros(slots, width)
+    for s in range(slots):
+        for e in range(experts):  # sequential float32 sums, in table order
+            if table[s, e] >= 0:
+                expected[s] += rows[table[s, e]].float()
+    out = fused.sum_rows_per_slot(rows.to(device), table.to(device), torch.float32)
+    assert out.shape == (slots, width)
+    assert torch.equal(out.cpu(), expected)
+    low = fused.sum_rows_per_slot(rows.to(device), table.to(device), torch.bfloat16)
+    torch.testing.assert_close(low.cpu().float(), expected, rtol=2**-7, atol=1e-6)
+
+
+def test_count_must_be_a_one_element_integer_tensor_on_the_device():
+    h, probs = torch.zeros(4, 8), torch.zeros(4)
+    for bad in (torch.tensor([1.0]), torch.tensor([1, 2]), torch.tensor(3.5)):
+        with pytest.raises(ValueError, match="one-element integer tensor"):
+            fused.activation_probs(h, probs, bad, gated=True, activation=fused.SILU)
+
+
+def test_activation_codes_name_only_what_the_kernels_compute():
+    assert fused.activation_code(F.silu) == fused.SILU and fused.activation_code(F.gelu) == fused.GELU
+    assert fused.activation_code(F.relu) is None and fused.activation_code(lambda t: t) is None
+
+
+def test_enabled_for_cuda_or_the_interpreter_only():
+    assert fused.enabled_for(torch.zeros(1)) == fused.interpreting()
