@@ -2,13 +2,22 @@
 
 `GroupedMLP` takes the place of Megatron's `TEGroupedMLP` (`MoESubmodules(experts=GroupedMLP)`)
 when the dispatcher hands over a fixed number of rows P (a capacity) of which only the first
-sum(tokens_per_expert) are real. The counts stay on the device: the expert boundaries go to
-`torch.nn.functional.grouped_mm` as device offsets, and the rows past them are masked to zero,
-forward and backward, instead of being cut off on the host.
+n = sum(tokens_per_expert) are real. The counts stay on the device: the expert boundaries go to
+torch's grouped GEMM as device offsets, which stops at n by itself.
+
+Two paths compute the same function:
+* fused (CUDA, bfloat16, no bias, SiLU or GELU with or without GLU, no clamp or offset): the two
+  grouped GEMMs around one Triton kernel for activation x probs (`megatron_ext.fused`), each way.
+  Every piece stops at n, read on the device, so padding rows cost no work; the backward keeps
+  only the input rows and the fc1 output and recomputes the activation.
+* torch (everything else, and CPU ranks): the rows past n are masked to zero with `where`,
+  forward and backward, and the activation is ordinary autograd.
+Capacity mode on a GPU needs bfloat16 experts: for other dtypes torch's grouped GEMM copies the
+offsets to the host, so such a layer is refused when it is built.
 
 With `--recompute-granularity selective --recompute-modules moe_act` (as TEGroupedMLP honours it)
-the activation's output is freed once fc2 has read it and recomputed in the backward, so only the
-fc1 output and the probs stay saved for it.
+the torch path frees the activation's output once fc2 has read it and recomputes it in the
+backward, so only the fc1 output and the probs stay saved for it (the fused path always does so).
 
 Parameters live as one stacked tensor per linear ([L, out, in]), so the GEMMs read them without a
 per-step copy; `state_dict()` presents them as TE GroupedLinear's per-expert `weight{i}`/`bias{i}`
@@ -29,9 +38,22 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import make_sharded_object_for_checkpoint
 from megatron.core.utils import get_pg_rank, get_pg_size
 
+from megatron_ext import fused
+
 
 def _refuse(flag: str, problem: str, fix: str) -> ValueError:
     return ValueError(f"megatron_ext GroupedMLP does not support {problem} (`{flag}`); {fix}.")
+
+
+def _sync_refusal(dtype: torch.dtype) -> ValueError:
+    # torch's grouped GEMM has a CUDA kernel for bfloat16 alone; for other dtypes it loops over the
+    # experts with the offsets copied to the host, a synchronisation in every expert call.
+    return _refuse(
+        "--moe-hybridep-capacity-factor",
+        f"{dtype} experts on a GPU in capacity mode: torch's grouped GEMM reads the expert counts on the "
+        "host for any dtype but bfloat16, which would stall every step",
+        "train with --bf16, or drop --moe-hybridep-capacity-factor (blocking dispatch)",
+    )
 
 
 class _ActivationRecompute:
@@ -91,6 +113,46 @@ class _DiscardedOutput(torch.autograd.Function):
         ctx.recomputed = None
         torch.autograd.backward(out, grad)
         return None, None, h.grad, probs.grad
+
+
+class _FusedExperts(torch.autograd.Function):
+    """fc1 -> activation x probs -> fc2 over device offsets, touching only the first n rows.
+
+    n = offsets[-1], read by the kernels on the device. The grouped GEMMs stop at it by
+    construction; the activation runs in one Triton kernel each way. Saved for the backward: the
+    input rows (the dispatch's own tensor, not a copy), the fc1 output and the probs; the
+    activation's output is recomputed in the backward (one cheap pass), so a capacity of C rows
+    keeps [C, H] + [C, fc1 width] per layer and nothing in float32. Rows >= n of the output and of
+    the input gradient are left unwritten.
+    """
+
+    @staticmethod
+    def forward(ctx, x, probs, w1, w2, offsets, gated, activation):
+        n = offsets[-1:]
+        h = F.grouped_mm(x, w1.transpose(1, 2), offs=offsets)
+        act = fused.activation_probs(h, probs, n, gated=gated, activation=activation)
+        out = F.grouped_mm(act, w2.transpose(1, 2), offs=offsets)
+        ctx.save_for_backward(x, h, probs, w1, w2, offsets)
+        ctx.gated, ctx.activation = gated, activation
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, h, probs, w1, w2, offsets = ctx.saved_tensors
+        n = offsets[-1:]
+        grad_out = grad_out.contiguous()
+        act = fused.activation_probs(h, probs, n, gated=ctx.gated, activation=ctx.activation)
+        # Weight gradients per expert, written in the parameters' own [L, out, in] layout.
+        grad_w2 = F.grouped_mm(grad_out.t(), act, offs=offsets)
+        del act
+        grad_act = F.grouped_mm(grad_out, w2, offs=offsets)
+        grad_h, grad_probs = fused.activation_probs_backward(
+            grad_act, h, probs, n, gated=ctx.gated, activation=ctx.activation
+        )
+        del grad_act
+        grad_w1 = F.grouped_mm(grad_h.t(), x, offs=offsets)
+        grad_x = F.grouped_mm(grad_h, w1, offs=offsets)
+        return grad_x, grad_probs.to(probs.dtype), grad_w1, grad_w2, None, None, None
 
 
 class _ExpertLinear(torch.nn.Module):
@@ -195,9 +257,32 @@ class GroupedMLP(MegatronModule):
         self.activation_recompute = config.recompute_granularity == "selective" and "moe_act" in (
             config.recompute_modules or []
         )
+        # (gated, activation code) when the fused path computes this MLP, else None.
+        self._fused_activation = self._fused_activation_of(config)
+        self._capacity_mode = getattr(config, "moe_hybridep_capacity_factor", None) is not None
+
+    @staticmethod
+    def _fused_activation_of(config: TransformerConfig):
+        """What the fused kernels compute for this config, or None where the torch path must run:
+        a bias, a clamp, a GLU offset or an activation they do not have."""
+        code = fused.activation_code(config.activation_func)
+        if code is None or config.add_bias_linear or config.activation_func_clamp_value is not None:
+            return None
+        if config.gated_linear_unit and config.glu_linear_offset:
+            return None
+        return bool(config.gated_linear_unit), code
+
+    def _check_sync_free(self, x: torch.Tensor) -> None:
+        """Refuse, on the host and before any kernel, what would make capacity mode read the device."""
+        if self._capacity_mode and x.is_cuda and x.dtype != torch.bfloat16:
+            raise _sync_refusal(x.dtype)
 
     @staticmethod
     def _check_config(config: TransformerConfig, expt_tp_size: int) -> None:
+        on_gpu = not config.use_cpu_initialization
+        if getattr(config, "moe_hybridep_capacity_factor", None) is not None and on_gpu:
+            if config.params_dtype != torch.bfloat16:
+                raise _sync_refusal(config.params_dtype)
         if config.expert_tensor_parallel_size != 1 or expt_tp_size != 1:
             raise _refuse("--expert-tensor-parallel-size", "expert tensor parallelism", "set it to 1")
         if getattr(config, "expert_gtp_weight_remat_size", 1) != 1:
@@ -240,23 +325,33 @@ class GroupedMLP(MegatronModule):
     def forward(
         self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor, permuted_probs: torch.Tensor
     ) -> tuple[torch.Tensor, None]:
-        """Run the experts over the rows of each expert; rows past sum(tokens_per_expert) give zeros.
+        """Run the experts over the rows of each expert; rows past n = sum(tokens_per_expert) are
+        never read and carry nothing into the real rows or the weight gradients.
 
         Args:
             permuted_local_hidden_states: [P, H], params dtype; rows grouped by local expert in
-                order, then padding (any values, NaN included: they contribute nothing).
+                order, then rows past n (any values, NaN included).
             tokens_per_expert: [L] integer counts, on the device (never read on the host);
                 a sum above P is clamped to P.
             permuted_probs: [P] float32 router probs of the rows.
 
         Returns:
-            (output [P, H] in the input dtype with the padding rows exactly zero, None).
+            (output [P, H] in the input dtype, None). Rows past n, and the input gradient's rows
+            past n: unwritten on the fused path (GPU, bfloat16, no bias, SiLU/GELU with or without
+            GLU), as deep_ep's dispatch and TE's op fuser leave them; zeros on the torch path.
         """
         x = permuted_local_hidden_states
         rows, dtype = x.shape[0], x.dtype
+        self._check_sync_free(x)
         # Expert boundaries as grouped_mm wants them: inclusive cumulative counts, int32, on the
         # device; clamped to P so that bad counts can never make it read past the rows it has.
         offsets = torch.cumsum(tokens_per_expert.to(x.device), 0).clamp(max=rows).to(torch.int32)
+        if self._fused_activation is not None and fused.enabled_for(x):
+            gated, activation = self._fused_activation
+            out = _FusedExperts.apply(
+                x, permuted_probs, self.linear_fc1.weight, self.linear_fc2.weight, offsets, gated, activation
+            )
+            return out, None
         row_ids = torch.arange(rows, device=x.device, dtype=torch.int32)
         real = (row_ids < offsets[-1]).unsqueeze(-1)  # [P, 1]
         # grouped_mm leaves rows past offsets[-1] uninitialised and returns garbage gradients for

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_ext import fused
 from megatron_ext.experts import GroupedMLP
 from megatron_ext.sync import forbid_host_sync
 
@@ -106,6 +107,11 @@ def _output_grad(x, real, seed=2):
     return grad
 
 
+def _takes_fused_path(module, x) -> bool:
+    """Whether `module` runs the Triton path for `x` (GPU, or CPU under TRITON_INTERPRET=1)."""
+    return module._fused_activation is not None and fused.enabled_for(x)
+
+
 def _run(module, x, counts, probs, grad):
     """Forward, then backward of `grad`; returns the output, grad, and the input and probs gradients."""
     x, probs = x.clone().requires_grad_(), probs.clone().requires_grad_()
@@ -155,7 +161,9 @@ def test_forward_and_backward_match_reference(pg, cfg, counts, device):
     real = int(counts.sum())
     out, grad, x_grad, probs_grad = _run(module, x, counts, probs, _output_grad(x, real))
 
-    # Forward: the real rows as the float64 reference, the pad rows exactly zero, no NaN anywhere.
+    # Forward: the real rows as the float64 reference, with no NaN from the pad rows; the torch
+    # path writes zeros past them, the fused path leaves them unwritten (nothing reads them).
+    masks_pad_rows = not _takes_fused_path(module, x)
     params = {
         k: v.detach().double().requires_grad_() for k, v in module.state_dict().items() if "_extra_state" not in k
     }
@@ -163,16 +171,18 @@ def test_forward_and_backward_match_reference(pg, cfg, counts, device):
     ref = _reference(params, module.config, ref_x, counts, ref_probs)
     tol = _tolerance(cfg["dtype"])
     torch.testing.assert_close(out[:real].double(), ref.detach(), **tol)
-    assert torch.equal(out[real:], torch.zeros_like(out[real:]))
-    assert not out.isnan().any()
+    assert not out[:real].isnan().any()
+    if masks_pad_rows:
+        assert torch.equal(out[real:], torch.zeros_like(out[real:]))
 
     # Backward: x, probs and every weight as the reference's autograd; the pad rows' gradients zero.
     if real:
         ref.backward(grad[:real].double())
     torch.testing.assert_close(x_grad[:real].double(), ref_x.grad if real else ref_x, **tol)
     torch.testing.assert_close(probs_grad[:real].double(), ref_probs.grad if real else ref_probs, **tol)
-    assert torch.equal(x_grad[real:], torch.zeros_like(x_grad[real:]))
     assert torch.equal(probs_grad[real:], torch.zeros_like(probs_grad[real:]))
+    if masks_pad_rows:
+        assert torch.equal(x_grad[real:], torch.zeros_like(x_grad[real:]))
     grads = _grads_per_expert(module)
     assert sorted(grads) == sorted(params)
     for name, g in grads.items():
@@ -195,6 +205,7 @@ def test_padding_rows_change_nothing_bitwise(pg, cfg, device):
     assert all(torch.equal(g, padded_grads[k]) for k, g in _grads_per_expert(module).items())
 
 
+@pytest.mark.skipif(fused.interpreting(), reason="Triton's interpreter copies every tensor to the host")
 @pytest.mark.parametrize("device", DEVICES)
 def test_no_host_sync(pg, device):
     module = _experts(pg, device=device, dtype=torch.bfloat16, bias=True)
@@ -430,17 +441,19 @@ def test_moe_act_recompute_frees_the_activation_and_changes_nothing(pg, cfg):
     expected = _run(plain, x, counts, probs, grad)
     expected_grads = {k: v.clone() for k, v in _grads_per_expert(plain).items()}
     actual = _run(recomputed, x, counts, probs, grad)
+    real = sum(COUNTS)  # rows past it are unwritten on the fused path
     for what in (0, 2, 3):  # the output, and the gradients of x and probs
-        assert torch.equal(expected[what], actual[what]), what
+        assert torch.equal(expected[what][:real], actual[what][:real]), what
     assert all(torch.equal(g, expected_grads[k]) for k, g in _grads_per_expert(recomputed).items())
 
     rows, element = x.shape[0], x.element_size()
     without, _, _, _ = _saved_bytes(plain, x, counts, probs)
     with_recompute, out, x_in, probs_in = _saved_bytes(recomputed, x, counts, probs)
-    freed = 3 if recomputed.config.gated_linear_unit else 2
+    # The fused path keeps no activation output with or without the flag: nothing more to free.
+    freed = 0 if _takes_fused_path(plain, x) else 3 if recomputed.config.gated_linear_unit else 2
     assert without - with_recompute == freed * rows * FFN * element, (without, with_recompute)
     out.backward(grad)  # the released output is recomputed for the backward, twice in a row too
-    assert x_in.grad is not None and torch.equal(x_in.grad, actual[2])
+    assert x_in.grad is not None and torch.equal(x_in.grad[:real], actual[2][:real])
     assert torch.equal(probs_in.grad, actual[3])
 
 
@@ -452,4 +465,79 @@ def test_moe_act_recompute_without_grad_and_under_the_sync_guard(pg):
     grad = _output_grad(x, sum(COUNTS))
     with forbid_host_sync():
         out, _, x_grad, _ = _run(module, x, counts, probs, grad)
-    assert torch.equal(out, reference) and x_grad.shape == x.shape
+    real = sum(COUNTS)  # rows past it are unwritten on the fused path
+    assert torch.equal(out[:real], reference[:real]) and x_grad.shape == x.shape
+
+
+FUSED_CASES = [
+    pytest.param(dict(dtype=torch.bfloat16, gated=True), True, id="swiglu"),
+    pytest.param(dict(dtype=torch.bfloat16, gated=False), True, id="gelu"),
+    pytest.param(dict(dtype=torch.bfloat16, gated=True, activation_func=F.gelu), True, id="geglu"),
+    pytest.param(dict(dtype=torch.bfloat16, gated=True, bias=True), False, id="bias"),
+    pytest.param(dict(dtype=torch.bfloat16, gated=True, activation_func_clamp_value=0.5), False, id="clamp"),
+    pytest.param(dict(dtype=torch.bfloat16, gated=True, glu_linear_offset=1.0), False, id="offset"),
+    pytest.param(dict(dtype=torch.bfloat16, gated=False, activation_func=F.relu), False, id="relu"),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("cfg, supported", FUSED_CASES)
+def test_fused_path_is_taken_exactly_where_it_is_supported(pg, cfg, supported, device, monkeypatch):
+    """The Triton kernels run for the configurations they compute (on a GPU, or on CPU under Triton's
+    interpreter) and nowhere else; the torch path takes the rest."""
+    calls = []
+    original = fused.activation_probs
+    monkeypatch.setattr(fused, "activation_probs", lambda *a, **k: calls.append(1) or original(*a, **k))
+    module = _experts(pg, device=device, **cfg)
+    x, counts, probs = _inputs(cfg["dtype"], device=device)
+    _run(module, x, counts, probs, _output_grad(x, sum(COUNTS)))
+    expected = supported and fused.enabled_for(x)
+    assert (module._fused_activation is not None) == supported
+    assert len(calls) == (2 if expected else 0)  # forward, and the recompute in the backward
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fused_path_saves_the_input_and_the_fc1_output_only(pg, device):
+    """What the fused path keeps for the backward: the input rows (not a copy), the fc1 output, the
+    float32 probs and the offsets; no activation output and no [P, FFN] float32 tensor."""
+    module = _experts(pg, device=device, dtype=torch.bfloat16)
+    x, counts, probs = _inputs(torch.bfloat16, device=device)
+    if not _takes_fused_path(module, x):
+        pytest.skip("the fused path runs on a GPU, or on CPU under TRITON_INTERPRET=1")
+    saved, out, x_in, probs_in = _saved_bytes(module, x, counts, probs)
+    rows, element = x.shape[0], x.element_size()
+    assert saved == rows * H * element + rows * 2 * FFN * element + rows * 4 + L * 4, saved
+    out.backward(_output_grad(x, sum(COUNTS)))
+    assert x_in.grad.shape == x.shape and probs_in.grad.shape == probs.shape
+
+
+def _capacity_config(dtype):
+    cfg = _config(dtype=dtype, moe_hybridep_capacity_factor=1.5)
+    cfg.use_cpu_initialization = False
+    return cfg
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_capacity_mode_refuses_gpu_experts_that_would_sync(pg, dtype):
+    """torch's grouped GEMM copies the offsets to the host for any dtype but bfloat16: capacity mode
+    refuses such experts on a GPU when the layer is built (checked before any CUDA call)."""
+    with pytest.raises(ValueError, match=r"--moe-hybridep-capacity-factor.*--bf16"):
+        GroupedMLP(L, _capacity_config(dtype), pg_collection=pg)
+
+
+@pytest.mark.gpu
+def test_capacity_mode_on_gpu_refuses_fp32_and_runs_bf16_without_a_sync(pg):
+    """On the GPU: fp32 capacity-mode experts are refused at build (the grouped GEMM would read the
+    offsets on the host) and at the forward of a module moved there; bf16 ones run under the guard."""
+    with pytest.raises(ValueError, match="--bf16"):
+        GroupedMLP(L, _capacity_config(torch.float32), pg_collection=pg)
+    moved = _experts(pg, dtype=torch.float32, moe_hybridep_capacity_factor=1.5).cuda()  # built on CPU
+    x, counts, probs = _inputs(torch.float32, device="cuda")
+    with pytest.raises(ValueError, match="--bf16"):
+        moved(x, counts, probs)
+    module = GroupedMLP(L, _capacity_config(torch.bfloat16), pg_collection=pg)
+    x, counts, probs = _inputs(torch.bfloat16, device="cuda")
+    grad = _output_grad(x, sum(COUNTS))
+    with forbid_host_sync():
+        out, _, x_grad, _ = _run(module, x, counts, probs, grad)
+    assert out.shape == x.shape and x_grad.shape == x.shape
