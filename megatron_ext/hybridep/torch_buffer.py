@@ -18,6 +18,10 @@ How tokens move (W ranks, T tokens per rank, rank r owns experts [r * L, (r + 1)
 * Combine reduces each token's rows on the expert's rank first (float32, in expert order),
   sends one partial per (token, rank) back, and sums the partials in rank order (float32).
   Both modes add the same numbers in the same order, so their results are bitwise equal.
+* On a GPU the permute and the first combine step are Triton kernels (`megatron_ext.fused`) that
+  read the count of existing rows on the device and touch only those: the permute gathers them,
+  the combine gathers each token's rows by a [slots, L] table. Rows past the padded total (a
+  capacity's spare rows) are then left unwritten, as deep_ep leaves them; on CPU they are zero.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from typing import NamedTuple, Optional
 import torch
 import torch.distributed as dist
 
+from megatron_ext import fused
 from megatron_ext.hybridep.allgather import RoutingMapGather
 from megatron_ext.hybridep.layout import expert_layout, padded_counts
 
@@ -54,6 +59,11 @@ class HybridEPHandle(NamedTuple):
     overflow_flag: torch.Tensor  # [1] int32; written in both modes, 0 unless truncated
     tokens_per_expert: torch.Tensor  # [L] int64 padded counts, truncated to P
     pad_multiple: Optional[int]
+    real_rows: torch.Tensor  # [1] int64: sum(tokens_per_expert), the rows that exist (<= P), on the device
+    slot_rows: Optional[torch.Tensor]  # fused kernels only: [num_slots, L] int32, row of (slot, expert) or -1
+    token_rows: Optional[
+        torch.Tensor
+    ]  # fused kernels only: [T, W] int32, combine's returned row of (token, rank) or -1
 
 
 @dataclass(frozen=True)
@@ -89,6 +99,41 @@ def _with_zero_row(num_rows: int, width: int, dtype: torch.dtype, device: torch.
 # CUDA's deterministic index_put_ (measured on the H200: 2.8 ms instead of ~0.05 ms per combine at
 # 8192 padding rows), so a combine spreads them over this many discarded slots instead.
 PADDING_SPREAD = 1024
+
+
+def _row_tables(
+    row_prob_index: torch.Tensor, tokens_per_expert: torch.Tensor, num_slots: int, num_local: int
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """`(real_rows, slot_rows)` of a handle: the device count of existing rows and, where the fused
+    kernels run, each slot's rows by local expert (the table a gather-based combine reads)."""
+    real_rows = tokens_per_expert.sum().reshape(1)
+    if not fused.enabled_for(row_prob_index):
+        return real_rows, None
+    # Rows that hold no token (padding, rows past the padded total) index slot num_slots: cut off.
+    table = torch.full(((num_slots + 1) * num_local,), -1, dtype=torch.int32, device=row_prob_index.device)
+    rows = torch.arange(row_prob_index.numel(), dtype=torch.int32, device=row_prob_index.device)
+    table.scatter_(0, row_prob_index, rows)
+    return real_rows, table.view(num_slots + 1, num_local)[:num_slots]
+
+
+def _token_rows(
+    num_tokens: int, world_size: int, device: torch.device, send_token=None, send_dest=None
+) -> Optional[torch.Tensor]:
+    """Where the fused combine finds each token's partial from each rank in what comes back: rank
+    w's partials of all T tokens in turn (non-blocking), or the sent rows, grouped by destination
+    rank (blocking: `send_token`, `send_dest`). None where the fused kernels do not run."""
+    probe = torch.empty(0, device=device)
+    if not fused.enabled_for(probe):
+        return None
+    if send_token is None:
+        return (
+            torch.arange(world_size, device=device) * num_tokens + torch.arange(num_tokens, device=device)[:, None]
+        ).to(torch.int32)
+    table = torch.full((num_tokens * world_size,), -1, dtype=torch.int32, device=device)
+    table.scatter_(
+        0, send_token * world_size + send_dest, torch.arange(send_token.numel(), dtype=torch.int32, device=device)
+    )
+    return table.view(num_tokens, world_size)
 
 
 def _spread_padding(row_slot: torch.Tensor, num_slots: int) -> torch.Tensor:
@@ -196,8 +241,9 @@ class TorchHybridEPBuffer:
 
         Returns:
             `(tokens [P, H], probs [P] float32 or None, None, tokens_per_expert [L] int64, handle)`
-            where P is the padded total (blocking) or C. `handle.overflow_flag` (index 10) is 1
-            when the padded total exceeded C and the tail was dropped.
+            where P is the padded total (blocking) or C; rows past the padded total are zero on
+            CPU and unwritten on a GPU. `handle.overflow_flag` (index 10) is 1 when the padded
+            total exceeded C and the tail was dropped.
         """
         self._check_hidden(hidden, "hidden")
         _check(not use_fp8, "use_fp8", "False (no fp8 dispatch in the PyTorch HybridEP buffer)", use_fp8)
@@ -355,6 +401,7 @@ class TorchHybridEPBuffer:
         if non_blocking:
             # Receive slot g holds token g, so a row's code g * L + e indexes the probs directly.
             layout = expert_layout(local_map, capacity, pad_multiple)
+            real_rows, slot_rows = _row_tables(layout.row_code, layout.tokens_per_expert, W * num_tokens, L)
             return HybridEPHandle(
                 row_slot=layout.row_code.div(L, rounding_mode="floor"),
                 row_prob_index=layout.row_code,
@@ -369,6 +416,9 @@ class TorchHybridEPBuffer:
                 overflow_flag=layout.overflow,
                 tokens_per_expert=layout.tokens_per_expert,
                 pad_multiple=pad_multiple,
+                real_rows=real_rows,
+                slot_rows=slot_rows,
+                token_rows=_token_rows(num_tokens, W, routing_map.device),
             )
 
         # Blocking: the exact layout; one host read of the counts that size the all-to-all.
@@ -391,9 +441,11 @@ class TorchHybridEPBuffer:
         # Sent rows grouped by destination rank, ascending token index within each.
         pairs = torch.nonzero_static(dest_mask.t(), size=sum(send_splits))
         send_dest, send_token = pairs[:, 0], pairs[:, 1]
+        row_prob_index = row_slot * L + layout.row_code.remainder(L)
+        real_rows, slot_rows = _row_tables(row_prob_index, layout.tokens_per_expert, num_slots, L)
         return HybridEPHandle(
             row_slot=row_slot,
-            row_prob_index=row_slot * L + layout.row_code.remainder(L),
+            row_prob_index=row_prob_index,
             num_slots=num_slots,
             send_token=send_token,
             send_dest=send_dest,
@@ -405,6 +457,9 @@ class TorchHybridEPBuffer:
             overflow_flag=layout.overflow,
             tokens_per_expert=layout.tokens_per_expert,
             pad_multiple=pad_multiple,
+            real_rows=real_rows,
+            slot_rows=slot_rows,
+            token_rows=_token_rows(num_tokens, W, routing_map.device, send_token, send_dest),
         )
 
     def _move_rows(self, hidden, probs, handle: HybridEPHandle):
@@ -421,7 +476,10 @@ class TorchHybridEPBuffer:
                 received[: handle.num_slots], hidden[handle.send_token], handle.recv_splits, handle.send_splits
             )
             hidden_bytes = self._sent_elsewhere(handle.send_splits) * width * elt
-        rows = received[handle.row_slot]
+        if handle.slot_rows is not None:  # fused: the existing rows only; those past them unwritten
+            rows = fused.gather_rows(received, handle.row_slot, handle.real_rows)
+        else:
+            rows = received[handle.row_slot]
 
         row_probs, probs_bytes = None, 0
         if probs is not None:
@@ -473,24 +531,33 @@ class TorchHybridEPBuffer:
             )
         width, elt = hidden.shape[1], hidden.element_size()
 
-        # 1. On the expert's rank: one float32 partial per received token, experts in order.
-        partial = torch.zeros(handle.num_slots + PADDING_SPREAD, width, dtype=torch.float32, device=hidden.device)
-        _accumulate(partial, _spread_padding(handle.row_slot, handle.num_slots), hidden)
-        partial = partial[: handle.num_slots].to(hidden.dtype)
+        # 1. On the expert's rank: one float32 partial per received token, experts in order. The
+        # fused kernel gathers each token's rows (only the rows that exist are read); the torch path
+        # accumulates every row, padding rows into discarded slots.
+        if handle.slot_rows is not None:
+            partial = fused.sum_rows_per_slot(hidden, handle.slot_rows, hidden.dtype)
+        else:
+            partial = torch.zeros(handle.num_slots + PADDING_SPREAD, width, dtype=torch.float32, device=hidden.device)
+            _accumulate(partial, _spread_padding(handle.row_slot, handle.num_slots), hidden)
+            partial = partial[: handle.num_slots].to(hidden.dtype)
 
-        # 2. Partials back to their source ranks; 3. summed there in rank order, in float32.
-        out = torch.zeros(T, width, dtype=torch.float32, device=hidden.device)
+        # 2. Partials back to their source ranks; 3. summed there in rank order, in float32 (by a
+        # gather per token where the fused kernels run, else by accumulation).
         if handle.non_blocking:
             back = torch.empty(W * T, width, dtype=hidden.dtype, device=hidden.device)
             self._all_to_all(back, partial)
-            _accumulate(out, torch.arange(T, device=hidden.device).repeat(W), back)
+            back_token = None if handle.token_rows is not None else torch.arange(T, device=hidden.device).repeat(W)
             hidden_bytes = (W - 1) * T * width * elt
         else:
             back = torch.empty(sum(handle.send_splits), width, dtype=hidden.dtype, device=hidden.device)
             self._all_to_all(back, partial, handle.send_splits, handle.recv_splits)
-            _accumulate(out, handle.send_token, back)
+            back_token = handle.send_token
             hidden_bytes = self._sent_elsewhere(handle.recv_splits) * width * elt
-        tokens = out.to(hidden.dtype)
+        if handle.token_rows is not None:
+            tokens = fused.sum_rows_per_slot(back, handle.token_rows, hidden.dtype)
+        else:
+            out = torch.zeros(T, width, dtype=torch.float32, device=hidden.device)
+            tokens = _accumulate(out, back_token, back).to(hidden.dtype)
 
         token_probs, probs_bytes = None, 0
         if probs is not None:
