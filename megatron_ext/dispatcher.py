@@ -112,6 +112,9 @@ class HybridEPCapacityManager:
         self.local_calibration_rows: Optional[int] = None  # this rank's rows in the calibration dispatch
         self.calibrated_rows: Optional[int] = None  # their EP-group maximum
         self.stats = DispatchStats()
+        # The most rows a non-blocking dispatch filled since the layer was built: a device int64
+        # scalar, never read here (the bench and the logs read it when they choose).
+        self.rows_used_max: Optional[torch.Tensor] = None
         self._recompute_blocking = 0  # no-grad calibration forwards still to be replayed blocking
         self._inflight: Optional[InFlight] = None
         self._num_tokens = 0  # this rank's tokens in the current dispatch, before padding
@@ -198,6 +201,8 @@ class HybridEPCapacityManager:
         else:
             self.stats.non_blocking_dispatches += 1
             self._assert_no_overflow(handle)
+            used = self.tokens_per_expert.sum()
+            self.rows_used_max = used if self.rows_used_max is None else torch.maximum(self.rows_used_max, used)
         self._inflight = InFlight(buffer, handle, extent, self._num_tokens)
         return rows
 

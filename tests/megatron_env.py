@@ -52,10 +52,16 @@ BASE = dict(
 FLEX = dict(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="hybridep")
 
 
+# On NCCL ranks the layers run in bfloat16: the only dtype for which torch's grouped GEMM reads no
+# count on the host, so the only one capacity mode accepts on a GPU (GroupedMLP refuses others).
+GPU_DTYPE = dict(params_dtype=torch.bfloat16, bf16=True)
+
+
 def make_config(world_size: int, **overrides):
     from megatron_ext.config import HybridEPTransformerConfig
 
-    return HybridEPTransformerConfig(**{**BASE, "expert_model_parallel_size": world_size, **overrides})
+    on_device = GPU_DTYPE if on_gpu() else {}
+    return HybridEPTransformerConfig(**{**BASE, **on_device, "expert_model_parallel_size": world_size, **overrides})
 
 
 def moe_layer(config, experts: str = "spec", seed: int = 1234):
@@ -104,4 +110,4 @@ def step_inputs(rank: int, steps: int, tokens: int, hidden: int, seed: int = 0):
     """Fresh `[tokens, 1, hidden]` inputs per step and rank (dynamic routing)."""
     generator = torch.Generator().manual_seed(seed * 1000 + rank)
     inputs = [torch.randn(tokens, 1, hidden, generator=generator) for _ in range(steps)]
-    return [x.cuda() for x in inputs] if on_gpu() else inputs
+    return [x.cuda().to(GPU_DTYPE["params_dtype"]) for x in inputs] if on_gpu() else inputs

@@ -33,6 +33,9 @@ def _assert_same(expected, actual, exact=True):
         for what, a, b in pairs:
             if exact:
                 assert torch.equal(a, b), f"step {step}: {what} differs by {(a - b).abs().max()}"
+            elif a.dtype == torch.bfloat16:  # GPU ranks: another summation order, in bf16
+                error = float((b.float() - a.float()).norm() / a.float().norm().clamp_min(1e-30))
+                assert error <= 3e-2, f"step {step}: {what}: relative error {error:.3g} > 3e-2"
             else:
                 torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=f"step {step}: {what}")
 

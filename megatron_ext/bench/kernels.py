@@ -10,8 +10,6 @@ this says which side of that line a stack falls on (the bench's "ran ahead" colu
 
 from __future__ import annotations
 
-import argparse
-import os
 import sys
 import time
 
@@ -53,22 +51,13 @@ def ops_per_step(stack, x) -> int:
 
 
 def main(argv=None) -> int:
-    from megatron_ext.bench.cli import parser as bench_parser
-    from megatron_ext.bench.cli import sizes_of
+    from megatron_ext.bench.profile import one_gpu_rank, size_arguments, sizes_from
 
-    p = argparse.ArgumentParser(prog="python -m megatron_ext.bench.kernels", description=__doc__.split("\n\n")[0])
-    for action in bench_parser()._actions:  # the bench's stack sizes, same names and defaults
-        if action.dest in ("layers", "tokens", "hidden", "ffn_hidden", "experts", "topk", "modes"):
-            p._add_action(action)
+    p = size_arguments("python -m megatron_ext.bench.kernels", __doc__.split("\n\n")[0])
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU (it counts GPU operations)")
 
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
-    import megatron_ext.patches
     from megatron_ext.bench.modes import select
     from megatron_ext.bench.run import MoEStack, make_inputs, megatron_config, te_import_error
 
@@ -76,34 +65,22 @@ def main(argv=None) -> int:
         modes = select(args.modes.split(",") if args.modes else None, 1.5)
     except ValueError as error:
         p.error(str(error))
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29561")
-    torch.cuda.set_device(0)
-    dist.init_process_group("nccl", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel()
-    model_parallel_cuda_manual_seed(0)
-    applied = megatron_ext.patches.apply()
-    device = torch.device("cuda")
-    full = bench_parser().parse_args([])  # the bench's defaults for all it does not ask
-    vars(full).update(vars(args), dtype="bf16")
-    sizes = sizes_of(full)
-    x = make_inputs(sizes, 0, 1, device)[0]
-    name = torch.cuda.get_device_name()
-    print(f"{name}: tiny kernels queued behind a GPU sleep (host ms; about the sleep: the queue was full)")
-    for count, host_ms in launch_queue_depth():
-        print(f"  {count:5d} kernels: {host_ms:7.1f} ms")
-    print(f"GPU operations in one forward+backward step, {args.layers} MoE layers:")
-    te_error = te_import_error()
-    for mode in modes:
-        if mode.needs_deep_ep or (mode.needs_te and te_error):
-            continue
-        stack = MoEStack(megatron_config(sizes, 1, device, mode), args.layers, mode.experts).to(device)
-        ops = ops_per_step(stack, x)
-        print(f"  {mode.name:22s} {ops:6d} ({ops / args.layers:.0f} per layer)")
-        del stack
-    megatron_ext.patches.revert(applied)
-    parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
+    sizes = sizes_from(args)
+    with one_gpu_rank() as device:
+        x = make_inputs(sizes, 0, 1, device)[0]
+        name = torch.cuda.get_device_name()
+        print(f"{name}: tiny kernels queued behind a GPU sleep (host ms; about the sleep: the queue was full)")
+        for count, host_ms in launch_queue_depth():
+            print(f"  {count:5d} kernels: {host_ms:7.1f} ms")
+        print(f"GPU operations in one forward+backward step, {args.layers} MoE layers:")
+        te_error = te_import_error()
+        for mode in modes:
+            if mode.needs_deep_ep or (mode.needs_te and te_error):
+                continue
+            stack = MoEStack(megatron_config(sizes, 1, device, mode), args.layers, mode.experts).to(device)
+            ops = ops_per_step(stack, x)
+            print(f"  {mode.name:22s} {ops:6d} ({ops / args.layers:.0f} per layer)")
+            del stack
     return 0
 
 

@@ -61,9 +61,11 @@ def aggregate(mode: Mode, per_rank: list[dict]) -> dict[str, Any]:
         bytes_sent_per_dispatch=_mean([r["bytes_sent_per_dispatch"] for r in per_rank]),
         routing_map_bytes_allocated_per_step=_mean([r["routing_map_bytes_allocated_per_step"] for r in per_rank]),
         peak_step_memory_bytes=_worst([r["peak_step_memory_bytes"] for r in per_rank]),
+        forward_memory_bytes=_worst([r.get("forward_memory_bytes") for r in per_rank]),
         blocking_dispatches_per_step=first["blocking_dispatches_per_step"],
         non_blocking_dispatches_per_step=first["non_blocking_dispatches_per_step"],
         capacities=first["capacities"],
+        rows_used=[max(used) for used in zip(*(r.get("rows_used") or [] for r in per_rank))],
         overflows=None if first["overflows"] is None else sum(r["overflows"] or 0 for r in per_rank),
         runahead=None
         if not runaheads
@@ -113,6 +115,15 @@ def _spread(rounds: list[float]) -> str:
     return f"{min(rounds):.2f}-{max(rounds):.2f}" if len(rounds) > 1 else "-"
 
 
+def _capacity(row: dict) -> str:
+    """'capacity min-max / rows used max' over the layers, '-' outside capacity mode."""
+    capacities, used = row.get("capacities") or [], row.get("rows_used") or []
+    if not capacities:
+        return "-"
+    span = f"{min(capacities)}" if min(capacities) == max(capacities) else f"{min(capacities)}-{max(capacities)}"
+    return f"{span} / {max(used)}" if used else span
+
+
 def _ran_ahead(runahead: Optional[dict]) -> str:
     if runahead is None:
         return "-"
@@ -127,8 +138,8 @@ def table(rows: list[dict], cuda: bool) -> str:
     repeated = any(len(r.get("round_step_ms") or []) > 1 for r in rows)
     header = ["mode", "vs blocking", "step ms"] + (["round medians"] if repeated else [])
     header += ["x stock", "dispatch host ms", "syncs/step", "all-reduces/step"]
-    header += ["ran ahead", "peak step mem"] if cuda else []
-    header += ["map alloc/step", "sent/dispatch", "overflows"]
+    header += ["ran ahead", "peak step mem", "held after fwd"] if cuda else []
+    header += ["capacity / used", "map alloc/step", "sent/dispatch", "overflows"]
     lines = []
     for r in rows:
         if r["status"] == "skipped":
@@ -150,6 +161,8 @@ def table(rows: list[dict], cuda: bool) -> str:
         if cuda:
             cells.append(_ran_ahead(r["runahead"]))
             cells.append(_bytes(r["peak_step_memory_bytes"]))
+            cells.append(_bytes(r.get("forward_memory_bytes")))
+        cells.append(_capacity(r))
         cells += [_bytes(r["routing_map_bytes_allocated_per_step"]), _bytes(r["bytes_sent_per_dispatch"])]
         cells += [_fmt(r["overflows"], "d")]
         lines.append(cells)
@@ -189,7 +202,15 @@ def legend(rows: list[dict], cuda: bool, sizes) -> str:
             "launch queue holds about 1,000 kernels: a step that launches more stops the host when the queue is "
             "full, sync or not; a blocking dispatch stops it at the first layer."
         )
-        lines.append("peak step mem: the largest rank's peak allocation during a step, above its start.")
+        lines.append(
+            "peak step mem: the largest rank's peak allocation during a step, above its start with the last "
+            "step's gradients freed (activations, this step's gradients, transients); held after fwd: what the "
+            "forward left allocated for the backward."
+        )
+    lines.append(
+        "capacity / used: capacity-mode rows per dispatch (min-max over the layers) / the most rows any "
+        "dispatch filled (max over layers, steps and ranks): the padding paid for is the difference."
+    )
     lines += [
         "map alloc/step: routing-map all-gather bytes allocated per step and rank ('-': no such gather, or not "
         "visible).",

@@ -79,9 +79,11 @@ class ModeResult:
     bytes_sent_per_dispatch: Optional[float] = None
     routing_map_bytes_allocated_per_step: Optional[float] = None
     peak_step_memory_bytes: Optional[int] = None
+    forward_memory_bytes: Optional[int] = None  # held at the end of the forward (saved for the backward)
     blocking_dispatches_per_step: Optional[float] = None
     non_blocking_dispatches_per_step: Optional[float] = None
     capacities: list[int] = field(default_factory=list)
+    rows_used: list[int] = field(default_factory=list)  # per capacity-mode layer: most rows a dispatch filled
     overflows: Optional[int] = None
     runahead: Optional[dict] = None  # the first round's probe
     ran_ahead_rounds: list[bool] = field(default_factory=list)
@@ -105,8 +107,11 @@ class ModeResult:
             "dispatches_ahead_rounds",
         ):
             getattr(self, name).extend(getattr(later, name))
-        if later.peak_step_memory_bytes is not None:
-            self.peak_step_memory_bytes = max(self.peak_step_memory_bytes or 0, later.peak_step_memory_bytes)
+        for name in ("peak_step_memory_bytes", "forward_memory_bytes"):
+            if getattr(later, name) is not None:
+                setattr(self, name, max(getattr(self, name) or 0, getattr(later, name)))
+        if later.rows_used:
+            self.rows_used = [max(a, b) for a, b in zip(self.rows_used, later.rows_used)] or later.rows_used
         if later.overflows is not None:
             self.overflows = (self.overflows or 0) + later.overflows
 
@@ -227,10 +232,11 @@ class _Runner:
 
     # ------------------------------------------------------------- one step
 
-    def step(self, stack, x):
+    def step(self, stack, x, after_forward: Callable[[], None] = lambda: None):
         x = x.detach().requires_grad_(True)
         stack.zero_grad(set_to_none=True)
         out = stack(x)
+        after_forward()
         (out.float() * self.loss_weights).sum().backward()
         return out, x.grad
 
@@ -268,6 +274,7 @@ class _Runner:
             if any(m.capacity is not None for m in managers):
                 result.overflows = int(overflow.item())
                 result.capacities = [m.capacity for m in managers if m.capacity is not None]
+                result.rows_used = [int(m.rows_used_max) for m in managers if m.rows_used_max is not None]
         finally:
             del stack, timer, managers
             _release()
@@ -328,17 +335,26 @@ class _Runner:
         cuda = self.device.type == "cuda"
         gathers_before = _routing_map_bytes(managers)
         events = []
-        peaks = []
+        peaks, forward_held = [], []
         timer.enabled = True
         for _ in range(self.sizes.steps):
             x = next(inputs)
+            after_forward = lambda: None  # noqa: E731
             if cuda:
+                # Memory is measured from a start without the last step's gradients (the step
+                # frees them first anyway), so the peak counts activations, new gradients and
+                # transients, not the old gradients' release.
+                stack.zero_grad(set_to_none=True)
                 torch.cuda.reset_peak_memory_stats()
                 resting = torch.cuda.memory_allocated()
+
+                def after_forward(resting=resting):
+                    forward_held.append(torch.cuda.memory_allocated() - resting)
+
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
             host_start = time.perf_counter()
-            self.step(stack, x)
+            self.step(stack, x, after_forward)
             result.host_step_ms.append((time.perf_counter() - host_start) * 1e3)
             if cuda:
                 end.record()
@@ -350,6 +366,7 @@ class _Runner:
             torch.cuda.synchronize()
             result.step_ms = [s.elapsed_time(e) for s, e in events]
             result.peak_step_memory_bytes = max(peaks)
+            result.forward_memory_bytes = max(forward_held)
         else:
             result.step_ms = list(result.host_step_ms)
         result.round_step_ms = [statistics.median(result.step_ms)]
