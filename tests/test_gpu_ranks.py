@@ -1,5 +1,6 @@
-"""The MoE layer checks of `tests/test_moe_layer.py` with expert parallelism over every GPU of the
-machine: one NCCL rank per GPU, two GPUs or more (skipped otherwise, reason printed).
+"""The buffer checks of `tests/test_torch_buffer.py` and the MoE layer checks of
+`tests/test_moe_layer.py` with expert parallelism over every GPU of the machine: one NCCL rank per
+GPU, two GPUs or more (skipped otherwise, reason printed).
 
 The same check functions as on CPU gloo ranks: capacity mode bitwise equal to blocking with the
 steps after calibration under the sync guard, the capacity taken from the EP-group maximum, equal
@@ -15,6 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests import test_torch_buffer
 from tests.distributed import assert_ok, merged_results, run_ranks
 from tests.test_moe_layer import FOUR_RANKS_ONLY, _worker
 
@@ -35,11 +37,31 @@ GPU_CHECKS = (
 )
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory):
+def _gpus() -> int:
     gpus = torch.cuda.device_count()
     if gpus < 2:
         pytest.skip(f"needs 2 or more GPUs for expert parallelism across GPUs (found {gpus})")
+    return gpus
+
+
+@pytest.fixture(scope="module")
+def buffer_results(tmp_path_factory):
+    gpus = _gpus()
+    if any(case[1] % gpus for case in test_torch_buffer.CASES):
+        pytest.skip(f"the buffer cases' expert counts do not divide over {gpus} GPUs")
+    out_dir = tmp_path_factory.mktemp("buffer_gpus")
+    run_ranks(gpus, test_torch_buffer._worker, str(out_dir), backend="nccl")
+    return merged_results(out_dir, gpus)
+
+
+@pytest.mark.parametrize("check", test_torch_buffer.CHECKS)
+def test_buffer_across_gpus(buffer_results, check):
+    assert_ok(buffer_results, check)
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    gpus = _gpus()
     out_dir = tmp_path_factory.mktemp("moe_gpus")
     run_ranks(gpus, _worker, str(out_dir), GPU_CHECKS, backend="nccl")
     return gpus, merged_results(out_dir, gpus)

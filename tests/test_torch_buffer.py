@@ -1,4 +1,5 @@
-"""The PyTorch HybridEP buffer against the dense reference, on 1, 2 and 4 spawned gloo ranks.
+"""The PyTorch HybridEP buffer against the dense reference, on 1, 2 and 4 spawned gloo ranks (and,
+through `tests/test_gpu_ranks.py`, on one NCCL rank per GPU).
 
 One spawn per world size runs every case; each rank records, per check, "ok" or the failure,
 and the tests below read those records. Inside a case every rank runs the same collectives
@@ -75,6 +76,18 @@ def _reference_forward_backward(hidden, maps, probs, weights, world_size, pad_mu
     return dispatched, outs, [x.grad for x in xs], [p.grad for p in ps]
 
 
+def _device():
+    """The rank's device: its GPU on an NCCL group, else the CPU."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _cpu(result):
+    """A _forward_backward result with its tensors on the CPU, for comparison with the reference."""
+    return {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in result.items()}
+
+
 def _case(checks, rank, world_size, index, case):
     from megatron_ext.hybridep import TorchHybridEPBuffer, Traffic
     from megatron_ext.sync import forbid_host_sync
@@ -89,7 +102,10 @@ def _case(checks, rank, world_size, index, case):
             p[:, 0] = 0.0
     weights = [torch.randn(num_tokens, HIDDEN, generator=gen) for _ in range(world_size)]
     buf = TorchHybridEPBuffer(dist.group.WORLD, HIDDEN, num_tokens, num_local)
-    x, m, p = hidden[rank], maps[rank], probs[rank]
+    device = _device()
+    x, m, p = hidden[rank].to(device), maps[rank].to(device), probs[rank].to(device)
+    fused_path = fused.enabled_for(x)
+    weights = [w.to(device) for w in weights]
 
     # All collectives first, identical on every rank.
     blocking = _forward_backward(buf, x, m, p, rank, weights, num_local, None, pad_multiple)
@@ -103,6 +119,9 @@ def _case(checks, rank, world_size, index, case):
     tail_zeroed = blocking["rows"] * blocking["row_probs"].unsqueeze(1).to(dtype)
     tail_zeroed[tight:] = 0
     expected_truncated, _ = buf.combine_with_unpermute(hidden=tail_zeroed, handle=blocking["handle"])
+    expected_truncated = expected_truncated.cpu()
+    blocking, roomy_run, tight_run = _cpu(blocking), _cpu(roomy_run), _cpu(tight_run)
+    m = m.cpu()
     ref_dispatch, ref_out, ref_grad_x, ref_grad_p = _reference_forward_backward(
         hidden, maps, probs, weights, world_size, pad_multiple
     )
@@ -126,7 +145,7 @@ def _case(checks, rank, world_size, index, case):
         rows = roomy_run["rows"]
         assert rows.shape[0] == roomy, f"{rows.shape[0]} rows, capacity {roomy}"
         assert torch.equal(rows[:exact_rows], blocking["rows"]), "rows differ from blocking"
-        if not fused.enabled_for(rows):  # the fused permute leaves them unwritten (nothing reads them)
+        if not fused_path:  # the fused permute leaves them unwritten (nothing reads them)
             assert not rows[exact_rows:].any(), "rows past the padded total are not zero"
         assert torch.equal(roomy_run["row_probs"][:exact_rows], blocking["row_probs"])
         assert not roomy_run["row_probs"][exact_rows:].any()
@@ -177,11 +196,17 @@ def _guard_catches_blocking(checks, rank, world_size):
     buf = TorchHybridEPBuffer(dist.group.WORLD, HIDDEN, 8, 2)
     gen = torch.Generator().manual_seed(7)
     hidden, maps, probs = reference.random_routing(gen, world_size, 8, 2 * world_size, 1, HIDDEN, torch.float32)
+    device = _device()
+    x, m, p = hidden[rank].to(device), maps[rank].to(device), probs[rank].to(device)
     raised = None
     try:
         with forbid_host_sync():
-            buf.dispatch_with_permute(hidden=hidden[rank], routing_map=maps[rank], probs=probs[rank])
+            buf.dispatch_with_permute(hidden=x, routing_map=m, probs=p)
     except HostSyncError as exc:
+        raised = exc
+    except RuntimeError as exc:  # on a GPU, CUDA's sync-debug mode may name the wait first
+        if "synchronizing CUDA operation" not in str(exc):
+            raise
         raised = exc
 
     def guard_trips_on_blocking_dispatch():
@@ -204,6 +229,7 @@ def _reuse(checks, rank, world_size):
         hidden, maps, probs = reference.random_routing(
             gen, world_size, num_tokens, num_experts, 2, HIDDEN, torch.float32
         )
+        hidden, maps, probs = ([t.to(_device()) for t in ts] for ts in (hidden, maps, probs))
         results = []
         for buf in (reused, fresh):
             rows, row_probs, _, counts, _ = buf.dispatch_with_permute(
@@ -264,21 +290,21 @@ def results(request, tmp_path_factory):
     return merged_results(out_dir, world_size)
 
 
-@pytest.mark.parametrize(
-    "check",
-    [
-        "bytes_sent_are_exact_blocking_and_allgather_nonblocking",
-        "dispatch_matches_reference",
-        "combine_matches_reference",
-        "gradients_match_reference",
-        "nonblocking_with_room_is_bitwise_blocking",
-        "too_little_capacity_flags_and_drops_the_tail",
-        "guard_trips_on_blocking_dispatch",
-        "reuse_writes_the_same_storage",
-        "no_reuse_allocates_every_dispatch",
-        "reuse_does_not_change_results",
-    ],
+CHECKS = (
+    "bytes_sent_are_exact_blocking_and_allgather_nonblocking",
+    "dispatch_matches_reference",
+    "combine_matches_reference",
+    "gradients_match_reference",
+    "nonblocking_with_room_is_bitwise_blocking",
+    "too_little_capacity_flags_and_drops_the_tail",
+    "guard_trips_on_blocking_dispatch",
+    "reuse_writes_the_same_storage",
+    "no_reuse_allocates_every_dispatch",
+    "reuse_does_not_change_results",
 )
+
+
+@pytest.mark.parametrize("check", CHECKS)
 def test_buffer(results, check):
     assert_ok(results, check)
 
