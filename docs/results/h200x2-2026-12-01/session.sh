@@ -1,0 +1,60 @@
+#!/bin/bash
+# What produced the files beside this one, on the lent two-H200 machine (device tool), run from the
+# repository root: `bash docs/results/h200x2-2026-12-01/session.sh CALL`.
+# Carried with each call: .whl/ (megatron-core 0.19.2 and ../shared/tools/deep_ep's wheel).
+#   one-gpu: two queues at once, one per GPU, each a single-rank job (one H200 each):
+#            GPU 0: bench large (factor 1.5, --repeat 3), then bench mid (--repeat 3);
+#            GPU 1: the one-GPU tests, then bench large at factor 2.0 (--repeat 3).
+#   two-gpu: EP 2 over both GPUs: the tests across GPU ranks, DeepEP's own test with 2 processes,
+#            the bench at the large size (--repeat 3), the roundtrip against all_to_all_single.
+set -uo pipefail
+export PYTHONUNBUFFERED=1 CUDA_HOME=/usr/local/cuda PATH=/usr/local/cuda/bin:$PATH
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+# megatron_ext.patches is installed from patches/ (a package-dir mapping): a link does it here.
+ln -sfn ../patches megatron_ext/patches
+export PYTHONPATH=$PWD:/tmp/site
+LARGE="--layers 8 --tokens 8192 --hidden 4096 --ffn-hidden 1024 --experts 64 --topk 8"
+MID="--layers 4 --tokens 4096 --hidden 2048 --ffn-hidden 1024 --experts 32 --topk 4"
+ALL=megatron,blocking,capacity+equal,deep_ep,deep_ep+capacity+equal+reuse
+nvidia-smi --query-gpu=index,name,driver_version --format=csv,noheader
+nvidia-smi topo -m | head -4
+
+bench() {  # bench NAME TIMEOUT ARGS...: one bench run, its table to the log, its JSON to $OUT/NAME.json
+  local name=$1 limit=$2; shift 2
+  echo "=== bench $name $(date -u +%H:%M:%S)"
+  timeout "$limit" python3 -m megatron_ext.bench "$@" --no-progress --json "$OUT/$name.json" 2>&1 | grep -v Warning
+}
+
+case ${1:-} in
+  one-gpu)
+    (
+      export CUDA_VISIBLE_DEVICES=0 HYBRID_EP_CACHE_DIR=/tmp/jit0
+      bench large 400 $LARGE --check-steps 1 --steps 5 --repeat 3 --modes $ALL
+      bench mid 150 $MID --steps 10 --repeat 3 --modes $ALL
+    ) > "$OUT/gpu0.log" 2>&1 &
+    (
+      export CUDA_VISIBLE_DEVICES=1 HYBRID_EP_CACHE_DIR=/tmp/jit1
+      echo "=== tests $(date -u +%H:%M:%S)"
+      timeout 170 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_fused.py tests/test_experts.py \
+        tests/test_gpu_buffer.py tests/test_gpu_moe_layer.py 2>&1 | tail -30
+      bench large-factor-2.0 370 $LARGE --check-steps 1 --steps 5 --repeat 3 --capacity-factor 2.0 \
+        --modes blocking,capacity+equal,deep_ep,deep_ep+capacity+equal+reuse
+    ) > "$OUT/gpu1.log" 2>&1 &
+    wait
+    grep -hE "^=== |passed|failed|^(megatron|blocking|capacity|deep_ep|mode )" "$OUT"/gpu0.log "$OUT"/gpu1.log ;;
+  two-gpu)
+    export HYBRID_EP_CACHE_DIR=/tmp/jit
+    {
+      echo "=== tests across GPU ranks $(date -u +%H:%M:%S)"
+      timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_ranks.py 2>&1 | tail -30
+      echo "=== roundtrip $(date -u +%H:%M:%S)"
+      timeout 60 torchrun --nproc-per-node 2 -m megatron_ext.roundtrip --backend nccl --iters 20 \
+        --tokens 8192 --hidden 4096 --experts 64 --topk 8 2>&1 | grep -v Warning | tail -20
+      bench ep2-large 330 $LARGE --check-steps 1 --steps 5 --repeat 3 --modes $ALL
+    } > "$OUT/two-gpu.log" 2>&1
+    grep -E "^=== |passed|failed|GB/s|^(megatron|blocking|capacity|deep_ep|mode )" "$OUT/two-gpu.log" ;;
+  *) echo "usage: $0 one-gpu|two-gpu" >&2; exit 2 ;;
+esac
