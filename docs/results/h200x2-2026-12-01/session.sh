@@ -2,9 +2,8 @@
 # What produced the files beside this one, on the lent two-H200 machine (device tool), run from the
 # repository root: `bash docs/results/h200x2-2026-12-01/session.sh CALL`.
 # Carried with each call: .whl/ (megatron-core 0.19.2 and ../shared/tools/deep_ep's wheel).
-#   one-gpu: two queues at once, one per GPU, each a single-rank job (one H200 each):
-#            GPU 0: bench large (factor 1.5, --repeat 3), then bench mid (--repeat 3);
-#            GPU 1: the one-GPU tests, then bench large at factor 2.0 (--repeat 3).
+#   one-gpu: two single-rank queues at once: GPU 0 the benches (large at factors 1.5 and 2.0, then
+#            mid, each --repeat 3), GPU 1 the one-GPU tests.
 #   two-gpu: EP 2 over both GPUs: the tests across GPU ranks, DeepEP's own test with 2 processes,
 #            the bench at the large size (--repeat 3), the roundtrip against all_to_all_single.
 set -uo pipefail
@@ -32,16 +31,16 @@ case ${1:-} in
   one-gpu)
     (
       export CUDA_VISIBLE_DEVICES=0 HYBRID_EP_CACHE_DIR=/tmp/jit0
-      bench large 400 $LARGE --check-steps 1 --steps 5 --repeat 3 --modes $ALL
-      bench mid 150 $MID --steps 10 --repeat 3 --modes $ALL
+      bench large 300 $LARGE --check-steps 1 --steps 5 --repeat 3 --modes $ALL
+      bench large-factor-2.0 190 $LARGE --check-steps 1 --steps 5 --repeat 3 --capacity-factor 2.0 \
+        --modes blocking,capacity+equal,deep_ep,deep_ep+capacity+equal+reuse
+      bench mid 80 $MID --steps 10 --repeat 3 --modes $ALL
     ) > "$OUT/gpu0.log" 2>&1 &
     (
       export CUDA_VISIBLE_DEVICES=1 HYBRID_EP_CACHE_DIR=/tmp/jit1
       echo "=== tests $(date -u +%H:%M:%S)"
-      timeout 170 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_fused.py tests/test_experts.py \
-        tests/test_gpu_buffer.py tests/test_gpu_moe_layer.py 2>&1 | tail -30
-      bench large-factor-2.0 370 $LARGE --check-steps 1 --steps 5 --repeat 3 --capacity-factor 2.0 \
-        --modes blocking,capacity+equal,deep_ep,deep_ep+capacity+equal+reuse
+      timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider -rf --tb=short tests/test_fused.py \
+        tests/test_experts.py tests/test_gpu_buffer.py tests/test_gpu_moe_layer.py 2>&1 | grep -v Warning | tail -60
     ) > "$OUT/gpu1.log" 2>&1 &
     wait
     grep -hE "^=== |passed|failed|^(megatron|blocking|capacity|deep_ep|mode )" "$OUT"/gpu0.log "$OUT"/gpu1.log ;;
