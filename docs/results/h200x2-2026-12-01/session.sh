@@ -4,6 +4,7 @@
 # Carried with each call: .whl/ (megatron-core 0.19.2 and ../shared/tools/deep_ep's wheel).
 #   one-gpu: two single-rank queues at once: GPU 0 the benches (large at factors 1.5 and 2.0, then
 #            mid, each --repeat 3), GPU 1 the one-GPU tests.
+#   one-h200: the same on a one-H200 machine, in turn.
 #   two-gpu: EP 2 over both GPUs: the tests across GPU ranks, DeepEP's own test with 2 processes,
 #            the bench at the large size (--repeat 3), the roundtrip against all_to_all_single.
 set -uo pipefail
@@ -44,6 +45,18 @@ case ${1:-} in
     ) > "$OUT/gpu1.log" 2>&1 &
     wait
     grep -hE "^=== |passed|failed|^(megatron|blocking|capacity|deep_ep|mode )" "$OUT"/gpu0.log "$OUT"/gpu1.log ;;
+  one-h200)  # the same work on a one-H200 machine, in turn (the two-GPU kind was withdrawn)
+    {
+      export HYBRID_EP_CACHE_DIR=/tmp/jit0
+      bench large 250 $LARGE --check-steps 1 --steps 5 --repeat 3 --modes $ALL
+      echo "=== tests $(date -u +%H:%M:%S)"
+      timeout 110 python3 -m pytest -q -m gpu -p no:cacheprovider -rf --tb=short tests/test_fused.py \
+        tests/test_experts.py tests/test_gpu_buffer.py tests/test_gpu_moe_layer.py 2>&1 | grep -v Warning | tail -40
+      bench large-factor-2.0 150 $LARGE --check-steps 1 --steps 5 --repeat 3 --capacity-factor 2.0 \
+        --modes blocking,capacity+equal,deep_ep,deep_ep+capacity+equal+reuse
+      bench mid 60 $MID --steps 10 --repeat 3 --modes $ALL
+    } > "$OUT/one-h200.log" 2>&1
+    grep -hE "^=== |passed|failed|^(megatron|blocking|capacity|deep_ep|mode )" "$OUT"/one-h200.log ;;
   two-gpu)
     export HYBRID_EP_CACHE_DIR=/tmp/jit
     {
@@ -55,5 +68,5 @@ case ${1:-} in
       bench ep2-large 330 $LARGE --check-steps 1 --steps 5 --repeat 3 --modes $ALL
     } > "$OUT/two-gpu.log" 2>&1
     grep -E "^=== |passed|failed|GB/s|^(megatron|blocking|capacity|deep_ep|mode )" "$OUT/two-gpu.log" ;;
-  *) echo "usage: $0 one-gpu|two-gpu" >&2; exit 2 ;;
+  *) echo "usage: $0 one-gpu|one-h200|two-gpu" >&2; exit 2 ;;
 esac
