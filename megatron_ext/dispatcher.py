@@ -34,7 +34,7 @@ from megatron.core.transformer.moe.moe_utils import get_align_size_for_quantizat
 from megatron.core.transformer.moe.token_dispatcher import MoEFlexTokenDispatcher, MoETokenDispatcher
 
 from megatron_ext.capacity import capacity_from_rows, equal_count_padding
-from megatron_ext.hybridep import OVERFLOW_FLAG_INDEX, autograd
+from megatron_ext.hybridep import autograd, overflow_flag
 from megatron_ext.hybridep.buffers import get_buffer
 from megatron_ext.options import HybridEPOptions, flag, resolve_implementation, validate
 
@@ -259,7 +259,7 @@ class HybridEPCapacityManager:
         )
 
     def _assert_no_overflow(self, handle: Any) -> None:
-        overflow = handle[OVERFLOW_FLAG_INDEX]
+        overflow = overflow_flag(handle)
         factor = self.options.capacity_factor
         torch._assert_async(
             overflow[0] == 0,

@@ -57,7 +57,7 @@ def _forward_backward(buf, x, m, p, rank, weights, num_local, capacity, pad_mult
         rows=rows.detach(),
         row_probs=row_probs.detach(),
         counts=counts,
-        flag=handle[10],
+        flag=handle.overflow_flag,
         traffic=traffic,
         out=out.detach(),
         grad_x=x.grad,

@@ -424,9 +424,9 @@ def _count_overflows(managers, device) -> torch.Tensor:
         check = manager._assert_no_overflow
 
         def counted(handle, check=check):
-            from megatron_ext.hybridep import OVERFLOW_FLAG_INDEX
+            from megatron_ext.hybridep import overflow_flag
 
-            total.add_(handle[OVERFLOW_FLAG_INDEX][0])
+            total.add_(overflow_flag(handle).reshape(()))
             return check(handle)
 
         manager._assert_no_overflow = counted
