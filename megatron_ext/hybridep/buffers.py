@@ -18,6 +18,8 @@ logger = logging.getLogger("megatron_ext")
 
 # key -> (buffer, hidden_dim, tokens per rank it was built for)
 _BUFFERS: dict[tuple, tuple[Any, int, int]] = {}
+# (group, tokens per rank) whose fall-back to deep_ep's plain all-gather was logged
+_PLAIN_GATHER_LOGGED: set[tuple] = set()
 
 
 def get_buffer(
@@ -29,7 +31,26 @@ def get_buffer(
     num_local_experts: int,
     reuse_allgather_buffer: bool,
 ) -> Any:
-    """The shared buffer for these arguments (`implementation` is 'torch' or 'deep_ep')."""
+    """The shared buffer for these arguments (`implementation` is 'torch' or 'deep_ep').
+
+    deep_ep's persistent all-gather buffer asserts, at every dispatch, that each rank's routing map
+    is a multiple of 16 bytes. A buffer built for T tokens serves any smaller count, so the check
+    is made here for each call's count (the same on every rank): a count that breaks it is served
+    by a buffer with deep_ep's plain all-gather, and the log says so once per count.
+    """
+    if implementation == "deep_ep" and reuse_allgather_buffer:
+        from megatron_ext.hybridep.deep_ep_buffer import map_alignment_reason
+
+        reason = map_alignment_reason(num_tokens, num_local_experts * group.size())
+        if reason is not None:
+            if (group, num_tokens) not in _PLAIN_GATHER_LOGGED:
+                _PLAIN_GATHER_LOGGED.add((group, num_tokens))
+                logger.warning(
+                    "megatron-ext: --moe-hybridep-reuse-allgather-buffer: %s; this dispatch uses deep_ep's "
+                    "plain all-gather.",
+                    reason,
+                )
+            reuse_allgather_buffer = False
     key = (implementation, group, num_local_experts, reuse_allgather_buffer)
     cached = _BUFFERS.get(key)
     if cached is not None and cached[1] == hidden_dim and cached[2] >= num_tokens:
@@ -61,3 +82,4 @@ def get_buffer(
 def release_buffers() -> None:
     """Drop every shared buffer (tests, or before destroying process groups)."""
     _BUFFERS.clear()
+    _PLAIN_GATHER_LOGGED.clear()

@@ -1,10 +1,12 @@
 """deep_ep's HybridEPBuffer behind the same calls as ours. deep_ep is imported here, lazily, only.
 
 deep_ep's buffer already has the API megatron-ext drives (`dispatch_with_permute`,
-`combine_with_unpermute`, the overflow flag at handle index 10), so this module only decides how
+`combine_with_unpermute`, the overflow flag: see `handle.py`), so this module only decides how
 to construct it. Routing-map reuse maps to deep_ep's persistent all-gather buffer
 (`enable_custom_allgather=True`), which deep_ep supports when every rank of the group is on one
 node and each rank's map is a multiple of 16 bytes; elsewhere the plain all-gather is kept.
+`buffers.get_buffer` checks the map's size again at every dispatch, since a buffer serves smaller
+token counts than it was built for.
 """
 
 from __future__ import annotations
@@ -28,16 +30,22 @@ def group_on_one_node(group: dist.ProcessGroup) -> bool:
     return len(set(hosts)) == 1
 
 
-def custom_allgather_reason(group: dist.ProcessGroup, num_tokens: int, num_experts: int) -> str | None:
-    """None when deep_ep's persistent all-gather buffer can serve this group, else why not."""
-    if not group_on_one_node(group):
-        return "the expert-parallel group spans several nodes"
+def map_alignment_reason(num_tokens: int, num_experts: int) -> str | None:
+    """None when a rank's `[num_tokens, num_experts]` bool routing map suits deep_ep's persistent
+    all-gather (a multiple of 16 bytes), else why not."""
     if (num_tokens * num_experts) % CUSTOM_ALLGATHER_ALIGNMENT:
         return (
             f"each rank's routing map is {num_tokens} x {num_experts} bytes, not a multiple of "
             f"{CUSTOM_ALLGATHER_ALIGNMENT}"
         )
     return None
+
+
+def custom_allgather_reason(group: dist.ProcessGroup, num_tokens: int, num_experts: int) -> str | None:
+    """None when deep_ep's persistent all-gather buffer can serve this group, else why not."""
+    if not group_on_one_node(group):
+        return "the expert-parallel group spans several nodes"
+    return map_alignment_reason(num_tokens, num_experts)
 
 
 def create_deep_ep_buffer(
