@@ -19,12 +19,15 @@
 # the logged losses should match those of MODE=capacity (the default).
 #
 # Env: GPUS (default 8: the process count and the expert-parallel size; 64 must divide by it),
-# MODE=capacity|blocking, PYTHON (default python), DRY_RUN=1 (check the flags with Megatron's
-# parser on any machine, no GPU: pretrain_moe.py --megatron-ext-dry-run).
+# MODE=capacity|blocking, PYTHON (default: the checkout's .venv/bin/python where it exists, else
+# python), DRY_RUN=1 (check the flags with Megatron's parser on any machine, no GPU:
+# pretrain_moe.py --megatron-ext-dry-run).
 # Extra arguments go to pretrain_moe.py after these (a later flag wins).
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-PYTHON=${PYTHON:-python}
+# The checkout's environment (.ci/setup) where there is one, as the README's setup line makes it.
+[ -x "$here/../.venv/bin/python" ] && default_python=$here/../.venv/bin/python || default_python=python
+PYTHON=${PYTHON:-$default_python}
 MODE=${MODE:-capacity}
 GPUS=${GPUS:-8}
 

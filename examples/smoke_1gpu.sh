@@ -16,12 +16,15 @@
 # MODE=blocking drops the first two (Megatron's blocking dispatch): the same run otherwise, so
 # the logged losses should match those of MODE=capacity (the default).
 #
-# Env: MODE=capacity|blocking, PYTHON (default python), DRY_RUN=1 (check the flags with
-# Megatron's parser on any machine, no GPU: pretrain_moe.py --megatron-ext-dry-run).
+# Env: MODE=capacity|blocking, PYTHON (default: the checkout's .venv/bin/python where it exists,
+# else python), DRY_RUN=1 (check the flags with Megatron's parser on any machine, no GPU:
+# pretrain_moe.py --megatron-ext-dry-run).
 # Extra arguments go to pretrain_moe.py after these (a later flag wins).
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-PYTHON=${PYTHON:-python}
+# The checkout's environment (.ci/setup) where there is one, as the README's setup line makes it.
+[ -x "$here/../.venv/bin/python" ] && default_python=$here/../.venv/bin/python || default_python=python
+PYTHON=${PYTHON:-$default_python}
 MODE=${MODE:-capacity}
 
 args=(

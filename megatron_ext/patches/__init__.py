@@ -1,6 +1,8 @@
-"""Everything in megatron-ext that reaches into Megatron-Core, and nothing else.
+"""Every change megatron-ext makes to Megatron-Core's own modules, and nothing else.
 
-Installed as `megatron_ext.patches`. Importing it does not import Megatron-Core; `apply()` does.
+Other modules import Megatron-Core too (the dispatcher and experts subclass its classes, the
+config extends its TransformerConfig); only this package replaces attributes inside it. Importing
+it does not import Megatron-Core; `apply()` does.
 
     import megatron_ext.patches
     megatron_ext.patches.apply()        # or: import megatron_ext.patches.auto
