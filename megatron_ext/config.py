@@ -51,6 +51,14 @@ class HybridEPTransformerConfig(TransformerConfig):
     kernels), torch (megatron-ext's implementation on torch.distributed, any GPU or CPU), or
     auto (deep_ep where its HybridEPBuffer imports, torch otherwise)."""
 
+    moe_hybridep_overflow_policy: Literal["rerun", "fail"] = "rerun"
+    """[megatron-ext] What a capacity-mode overflow does in Megatron's training loop. rerun: the
+    step's overflow is recorded on the device and checked once at its end (one all-reduce for the
+    model); if any dispatch overflowed, the step's gradients are discarded, the same micro-batches
+    run again with blocking dispatches, and the overflowed layers' capacities grow to ceil(rows x
+    factor) for the steps after. fail: stop at the overflowing dispatch with a device assert.
+    Outside Megatron's training loop an overflow always stops with the device assert."""
+
     def __post_init__(self):
         super().__post_init__()
         options.validate(self)

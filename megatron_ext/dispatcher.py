@@ -116,6 +116,13 @@ class HybridEPCapacityManager:
         # scalar, never read here (the bench and the logs read it when they choose).
         self.rows_used_max: Optional[torch.Tensor] = None
         self._recompute_blocking = 0  # no-grad calibration forwards still to be replayed blocking
+        # Set by megatron_ext.recovery around a training step (--moe-hybridep-overflow-policy rerun):
+        # an overflow is recorded in `overflowed` (device int32 [1], never read here) instead of
+        # stopping on the device, and a re-run dispatches blocking, keeping its largest row count.
+        self.record_overflow = False
+        self.overflowed: Optional[torch.Tensor] = None
+        self.force_blocking = False
+        self.blocking_rows_max = 0
         self._inflight: Optional[InFlight] = None
         self._num_tokens = 0  # this rank's tokens in the current dispatch, before padding
         self._last_buffer: Any = None  # the buffer of the latest dispatch (stats for tests and the bench)
@@ -196,6 +203,7 @@ class HybridEPCapacityManager:
         if extent is None:
             self.stats.blocking_dispatches += 1
             extent = rows.shape[0]  # known on the host once a blocking dispatch returns
+            self.blocking_rows_max = max(self.blocking_rows_max, extent)
             if self.options.capacity_factor is not None and self.capacity is None:
                 self._calibrate(extent, rows.device)
         else:
@@ -231,7 +239,7 @@ class HybridEPCapacityManager:
 
     def _extent(self) -> Optional[int]:
         """None for a blocking dispatch, else the capacity to dispatch non-blocking with."""
-        if self.capacity is None:
+        if self.capacity is None or self.force_blocking:
             return None
         if self._recompute_blocking and in_backward():
             self._recompute_blocking -= 1  # replaying the calibration forward: blocking, as it was
@@ -258,8 +266,41 @@ class HybridEPCapacityManager:
             self.capacity,
         )
 
+    def grow_capacity(self) -> Optional[int]:
+        """After blocking dispatches (a re-run): size the capacity to their largest row count (the
+        EP-group maximum) x the factor if that is more than it has; return the new capacity, or
+        None when it stays. One all-reduce and one host read; call it between steps only."""
+        largest = torch.full((1,), self.blocking_rows_max, dtype=torch.int64, device=self._device())
+        dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=self.group)
+        self.stats.host_reads += 1
+        rows = int(largest.item())
+        capacity = capacity_from_rows(rows, self.options.capacity_factor, self.pad_multiple)
+        if self.capacity is not None and capacity <= self.capacity:
+            return None
+        logger.warning(
+            "megatron-ext: %s: capacity %s -> %d (a re-run needed %d rows, EP-group max, x %s).",
+            self.name,
+            self.capacity,
+            capacity,
+            rows,
+            self.options.capacity_factor,
+        )
+        self.calibrated_rows, self.capacity = rows, capacity
+        self.stats.calibrations += 1
+        self.stats.capacities.append(capacity)
+        return capacity
+
+    def _device(self) -> torch.device:
+        if dist.get_backend(self.group) == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
     def _assert_no_overflow(self, handle: Any) -> None:
         overflow = overflow_flag(handle)
+        if self.record_overflow:
+            seen = overflow.reshape(1).to(torch.int32)
+            self.overflowed = seen.clone() if self.overflowed is None else torch.maximum(self.overflowed, seen)
+            return
         factor = self.options.capacity_factor
         torch._assert_async(
             overflow[0] == 0,

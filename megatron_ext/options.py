@@ -13,6 +13,7 @@ from typing import Any, Literal, Optional
 
 Implementation = Literal["auto", "deep_ep", "torch"]
 IMPLEMENTATIONS: tuple[str, ...] = ("auto", "deep_ep", "torch")
+OVERFLOW_POLICIES: tuple[str, ...] = ("rerun", "fail")
 
 
 class HybridEPConfigError(ValueError):
@@ -33,6 +34,7 @@ class HybridEPOptions:
     verify_equal_token_counts: bool = False
     reuse_allgather_buffer: bool = False
     implementation: str = "auto"
+    overflow_policy: str = "rerun"
 
     @classmethod
     def from_config(cls, config: Any) -> HybridEPOptions:
@@ -82,6 +84,16 @@ def validate(config: Any) -> HybridEPOptions:
         raise HybridEPConfigError(
             f"{flag('moe_hybridep_implementation')} {options.implementation!r} is not one of "
             f"{', '.join(IMPLEMENTATIONS)}."
+        )
+    if options.overflow_policy not in OVERFLOW_POLICIES:
+        raise HybridEPConfigError(
+            f"{flag('moe_hybridep_overflow_policy')} {options.overflow_policy!r} is not one of "
+            f"{', '.join(OVERFLOW_POLICIES)}."
+        )
+    if options.overflow_policy != "rerun" and options.capacity_factor is None:
+        raise HybridEPConfigError(
+            f"{flag('moe_hybridep_overflow_policy')} {options.overflow_policy} says what a capacity-mode "
+            f"overflow does; set {flag('moe_hybridep_capacity_factor')} too, or drop it."
         )
     set_flags = options.set_flags()
     if not set_flags:

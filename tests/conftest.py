@@ -15,16 +15,17 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="module")
 def megatron(tmp_path_factory):
     """One NCCL rank on GPU 0 with Megatron's parallel state and megatron-ext's patch (GPU tests)."""
-    import megatron_ext.patches
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    import megatron_ext.patches
 
     torch.cuda.set_device(0)
     init = tmp_path_factory.mktemp("nccl_moe") / "init"
     dist.init_process_group("nccl", init_method=f"file://{init}", rank=0, world_size=1)
     parallel_state.initialize_model_parallel()
     model_parallel_cuda_manual_seed(1)
-    applied = megatron_ext.patches.apply()
+    applied = megatron_ext.patches.apply(training=False)  # no training loop here
     yield
     megatron_ext.patches.revert(applied)
     parallel_state.destroy_model_parallel()

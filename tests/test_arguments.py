@@ -7,9 +7,10 @@ reverts it, so other test modules in the same process see stock Megatron.
 import re
 import sys
 
-import megatron_ext.patches as patches
 import pytest
 import torch
+
+import megatron_ext.patches as patches
 
 BASE_ARGV = [
     "prog",
@@ -34,6 +35,8 @@ ALL_FLAGS = [
     "--moe-hybridep-implementation",
     "torch",
     "--moe-hybridep-verify-equal-token-counts",
+    "--moe-hybridep-overflow-policy",
+    "fail",
 ]
 ALL_VALUES = {
     "moe_hybridep_capacity_factor": 1.5,
@@ -41,6 +44,7 @@ ALL_VALUES = {
     "moe_hybridep_verify_equal_token_counts": True,
     "moe_hybridep_reuse_allgather_buffer": True,
     "moe_hybridep_implementation": "torch",
+    "moe_hybridep_overflow_policy": "fail",
 }
 DEFAULTS = {
     "moe_hybridep_capacity_factor": None,
@@ -48,6 +52,7 @@ DEFAULTS = {
     "moe_hybridep_verify_equal_token_counts": False,
     "moe_hybridep_reuse_allgather_buffer": False,
     "moe_hybridep_implementation": "auto",
+    "moe_hybridep_overflow_policy": "rerun",
 }
 # A phrase of each field's docstring, which is its --help text.
 HELP_PHRASES = {
@@ -56,6 +61,7 @@ HELP_PHRASES = {
     "--moe-hybridep-verify-equal-token-counts": "fail loudly",
     "--moe-hybridep-reuse-allgather-buffer": "one buffer per process group",
     "--moe-hybridep-implementation": "implementation on torch.distributed",
+    "--moe-hybridep-overflow-policy": "run again with blocking dispatches",
 }
 TINY = dict(num_layers=1, hidden_size=16, num_attention_heads=1, num_moe_experts=4)
 HYBRIDEP = dict(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="hybridep")
@@ -157,6 +163,7 @@ def test_field_names():
         "moe_hybridep_verify_equal_token_counts",
         "moe_hybridep_reuse_allgather_buffer",
         "moe_hybridep_implementation",
+        "moe_hybridep_overflow_policy",
     )
     # the options the dispatcher reads are exactly these fields (options.py cannot import Megatron)
     from megatron_ext.options import CONFIG_PREFIX, OPTION_NAMES
@@ -276,6 +283,10 @@ def test_patched_help_lists_flags_and_docstrings(patched, monkeypatch, capsys):
             ["--moe-hybridep-verify-equal-token-counts"],
             ["--moe-hybridep-verify-equal-token-counts", "--moe-hybridep-equal-token-counts", "set that flag too"],
         ),
+        (
+            ["--moe-hybridep-overflow-policy", "fail"],
+            ["--moe-hybridep-overflow-policy fail", "--moe-hybridep-capacity-factor too"],
+        ),
     ],
     ids=[
         "factor-below-1",
@@ -285,6 +296,7 @@ def test_patched_help_lists_flags_and_docstrings(patched, monkeypatch, capsys):
         "factor-and-pad-to-capacity",
         "equal-and-pad-uneven",
         "verify-without-equal",
+        "policy-without-factor",
     ],
 )
 def test_patched_parse_args_refuses_invalid_combinations(patched, monkeypatch, capsys, extra, expected):
@@ -409,8 +421,19 @@ def test_install_validation_is_idempotent():
             "--moe-hybridep-pad-uneven-dispatch-inputs",
         ),
         (dict(HYBRIDEP, moe_hybridep_implementation="foo"), "'foo' is not one of auto, deep_ep, torch"),
+        (
+            dict(HYBRIDEP, moe_hybridep_capacity_factor=1.5, moe_hybridep_overflow_policy="skip"),
+            "--moe-hybridep-overflow-policy 'skip' is not one of rerun, fail",
+        ),
     ],
-    ids=["factor-below-1", "factor-default-dispatcher", "verify-without-equal", "equal-and-pad-uneven", "foo"],
+    ids=[
+        "factor-below-1",
+        "factor-default-dispatcher",
+        "verify-without-equal",
+        "equal-and-pad-uneven",
+        "foo",
+        "unknown-policy",
+    ],
 )
 def test_config_refuses_invalid_combinations(bad, message):
     from megatron_ext.config import HybridEPTransformerConfig

@@ -119,7 +119,7 @@ OVERFLOW_SCRIPT = textwrap.dedent(
     parallel_state.initialize_model_parallel()
     model_parallel_cuda_manual_seed(1)
     import megatron_ext.patches
-    megatron_ext.patches.apply()
+    megatron_ext.patches.apply(training=False)  # no training loop here
     from tests.megatron_env import FLEX, make_config, moe_layer
     from tests.test_gpu_moe_layer import GPU, HIDDEN, TOKENS
     layer = moe_layer(make_config(1, **GPU, **FLEX, moe_hybridep_capacity_factor=1.0), experts="grouped")

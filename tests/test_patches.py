@@ -9,10 +9,11 @@ import logging
 import subprocess
 import sys
 
-import megatron_ext.patches as patches
-import megatron_ext.patches._compat as compat
 import pytest
 import torch
+
+import megatron_ext.patches as patches
+import megatron_ext.patches._compat as compat
 
 DISPATCHER = "megatron.core.transformer.moe.moe_layer.MoEFlexTokenDispatcher"
 MOE_INIT = "megatron.core.transformer.moe.moe_layer.MoELayer.__init__"
@@ -20,7 +21,8 @@ ARGS_CONFIG = "megatron.training.arguments.TransformerConfig"
 UTILS_CONFIG = "megatron.training.argument_utils.TransformerConfig"
 MLA_CONFIG = "megatron.core.transformer.MLATransformerConfig"
 ADD_ARGUMENTS = "megatron.training.arguments.add_megatron_arguments"
-ALL_TARGETS = [DISPATCHER, MOE_INIT, ARGS_CONFIG, UTILS_CONFIG, MLA_CONFIG, ADD_ARGUMENTS]
+TRAINING = "megatron.training.training.get_forward_backward_func"
+ALL_TARGETS = [DISPATCHER, MOE_INIT, ARGS_CONFIG, UTILS_CONFIG, MLA_CONFIG, ADD_ARGUMENTS, TRAINING]
 
 
 def current(target):
@@ -35,6 +37,7 @@ def originals():
     patches.revert()  # start from stock Megatron whatever ran before
     import megatron.core.transformer.moe.moe_layer  # noqa: F401
     import megatron.training.arguments  # noqa: F401
+    import megatron.training.training  # noqa: F401
 
     found = {target: current(target) for target in ALL_TARGETS}
     yield found
@@ -77,7 +80,7 @@ def assert_patched(originals, replacements, targets):
             assert now is replacements[target], target
         elif target == MOE_INIT:
             assert now.__megatron_ext_original__ is originals[target]
-        elif target == ADD_ARGUMENTS:
+        elif target in (ADD_ARGUMENTS, TRAINING):
             assert now.__wrapped__ is originals[target]
 
 
@@ -182,7 +185,7 @@ def test_patched_reverts_on_exception(originals):
 
 
 def test_patched_nested_in_apply_reverts_only_its_own(originals, replacements):
-    assert patches.apply(dispatcher=True, experts=False, arguments=False) == [DISPATCHER]
+    assert patches.apply(dispatcher=True, experts=False, arguments=False, training=False) == [DISPATCHER]
     others = [t for t in ALL_TARGETS if t != DISPATCHER]
 
     with patches.patched() as done:
@@ -262,7 +265,7 @@ def test_import_auto_applies_the_patch():
 
 
 def test_apply_dispatcher_only(originals, replacements):
-    done = patches.apply(dispatcher=True, experts=False, arguments=False)
+    done = patches.apply(dispatcher=True, experts=False, arguments=False, training=False)
 
     assert done == [DISPATCHER]
     assert patches.applied() == (DISPATCHER,)
@@ -273,12 +276,13 @@ def test_apply_dispatcher_only(originals, replacements):
 @pytest.mark.parametrize(
     "features, expected",
     [
-        ({"dispatcher": False, "experts": True, "arguments": False}, [MOE_INIT]),
+        ({"dispatcher": False, "experts": True, "arguments": False, "training": False}, [MOE_INIT]),
         (
-            {"dispatcher": False, "experts": False, "arguments": True},
+            {"dispatcher": False, "experts": False, "arguments": True, "training": False},
             [ARGS_CONFIG, UTILS_CONFIG, MLA_CONFIG, ADD_ARGUMENTS],
         ),
-        ({"dispatcher": False, "experts": False, "arguments": False}, []),
+        ({"dispatcher": False, "experts": False, "arguments": False, "training": True}, [TRAINING]),
+        ({"dispatcher": False, "experts": False, "arguments": False, "training": False}, []),
     ],
 )
 def test_apply_selected_features(originals, replacements, features, expected):
@@ -294,9 +298,9 @@ def test_capacity_mode_selects_experts_that_take_device_counts():
 
     from megatron.core.transformer.moe.experts import SequentialMLP, TEGroupedMLP
     from megatron.core.transformer.moe.moe_layer import MoESubmodules
-    from megatron_ext.patches._moe_layer import select_experts
 
     from megatron_ext.experts import GroupedMLP
+    from megatron_ext.patches._moe_layer import select_experts
 
     def config(factor, op_fuser=False):
         return types.SimpleNamespace(
@@ -348,9 +352,9 @@ def test_capacity_mode_refuses_te_op_fuser_that_would_read_counts_on_the_host():
 
     from megatron.core.transformer.moe.experts import TEGroupedMLP
     from megatron.core.transformer.moe.moe_layer import MoESubmodules
-    from megatron_ext.patches._moe_layer import select_experts
 
     from megatron_ext.options import HybridEPConfigError
+    from megatron_ext.patches._moe_layer import select_experts
 
     te = MoESubmodules(experts=functools.partial(TEGroupedMLP, submodules=None))
     config = types.SimpleNamespace(

@@ -191,7 +191,7 @@ def _rank_main(rank: int, world_size: int, args, failure_dir: str) -> bool:
     parallel_state.initialize_model_parallel(expert_model_parallel_size=world_size)
     if device.type == "cuda":
         model_parallel_cuda_manual_seed(args.seed)
-    applied = megatron_ext.patches.apply()
+    applied = megatron_ext.patches.apply(training=False)  # no training loop here
     sizes = sizes_of(args)
     bar = _progress(rank == 0 and not args.no_progress, sizes.steps_per_mode * len(args.selected) * sizes.repeat)
     current = {"mode": None}

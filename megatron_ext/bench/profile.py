@@ -41,7 +41,7 @@ def one_gpu_rank(seed: int = 0) -> Iterator[torch.device]:
     dist.init_process_group("nccl", rank=0, world_size=1)
     parallel_state.initialize_model_parallel()
     model_parallel_cuda_manual_seed(seed)
-    applied = megatron_ext.patches.apply()
+    applied = megatron_ext.patches.apply(training=False)  # no training loop here
     try:
         yield torch.device("cuda")
     finally:

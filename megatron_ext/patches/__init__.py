@@ -22,6 +22,9 @@ Patched attributes, by feature:
   `megatron_ext.config.HybridEPTransformerConfig`; `megatron.core.transformer.MLATransformerConfig`
   -> `HybridEPMLATransformerConfig`; `megatron.training.arguments.add_megatron_arguments` -> the
   same, plus validation of megatron-ext's flags when the parser parses.
+* training: `megatron.training.training.get_forward_backward_func` -> the same, its result wrapped
+  in `megatron_ext.recovery.OverflowRerun` (a capacity-mode overflow re-runs the step; a
+  pass-through without capacity mode).
 """
 
 from __future__ import annotations
@@ -79,6 +82,16 @@ def _add_megatron_arguments(original: Callable) -> Callable:
     return add_megatron_arguments
 
 
+def _get_forward_backward_func(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def get_forward_backward_func(*args, **kwargs):
+        from megatron_ext.recovery import OverflowRerun
+
+        return OverflowRerun(original(*args, **kwargs))
+
+    return get_forward_backward_func
+
+
 @dataclass(frozen=True)
 class _Patch:
     target: str  # dotted name of the attribute replaced
@@ -93,8 +106,9 @@ PATCHES: tuple[_Patch, ...] = (
     _Patch("megatron.training.argument_utils.TransformerConfig", _transformer_config, "arguments"),
     _Patch("megatron.core.transformer.MLATransformerConfig", _mla_transformer_config, "arguments"),
     _Patch("megatron.training.arguments.add_megatron_arguments", _add_megatron_arguments, "arguments"),
+    _Patch("megatron.training.training.get_forward_backward_func", _get_forward_backward_func, "training"),
 )
-FEATURES = ("dispatcher", "experts", "arguments")
+FEATURES = ("dispatcher", "experts", "arguments", "training")
 
 # target -> (owner, attribute, original), for what is applied now
 _applied: dict[str, tuple[Any, str, Any]] = {}
@@ -105,15 +119,18 @@ def applied() -> tuple[str, ...]:
     return tuple(_applied)
 
 
-def apply(*, dispatcher: bool = True, experts: bool = True, arguments: bool = True) -> list[str]:
+def apply(*, dispatcher: bool = True, experts: bool = True, arguments: bool = True, training: bool = True) -> list[str]:
     """Patch Megatron-Core; return the dotted names this call patched (none when already applied).
+
+    `training=False` leaves Megatron's training loop alone (and does not import it): for code that
+    runs MoE layers without `megatron.training.training.train`, as the bench and the tests do.
 
     Raises `UnsupportedMegatronError` for a megatron-core outside the supported range and
     `MovedSymbolError` naming a target that is not where it should be; in both cases nothing
     is patched.
     """
     check_megatron_version()
-    wanted = {"dispatcher": dispatcher, "experts": experts, "arguments": arguments}
+    wanted = {"dispatcher": dispatcher, "experts": experts, "arguments": arguments, "training": training}
     todo = [p for p in PATCHES if wanted[p.feature] and p.target not in _applied]
     owners = []
     for patch in todo:

@@ -1,0 +1,142 @@
+"""Training-safe capacity mode: an overflow re-runs the step instead of ending the job.
+
+`OverflowRerun` wraps the `forward_backward_func` of Megatron's training loop (installed by
+`megatron_ext.patches`, feature "training") when `--moe-hybridep-capacity-factor` is set and
+`--moe-hybridep-overflow-policy` is `rerun` (the default). For each step it:
+
+1. reads the step's micro-batches from the data iterators, so they can be fed again;
+2. runs the step with every capacity-mode layer recording an overflow on the device instead of
+   stopping at it (the step may train on truncated rows: its results are not kept if so);
+3. checks once, at the step's end, whether any rank's layer overflowed (one all-reduce over all
+   ranks and one host read for the whole model);
+4. if one did: discards the step's gradients (and the MoE auxiliary-loss tracker's values), runs
+   the same micro-batches again with every dispatch blocking, so no micro-batch is skipped and
+   nothing is trained on truncated tokens, then grows each layer's capacity to ceil(rows x
+   factor) of the largest row count the re-run needed (EP-group maximum). The next step runs in
+   capacity mode again. Capacities change only here, between steps, never while activation
+   checkpoints of a step may still be replayed.
+
+Outside Megatron's training loop nothing wraps the step, and an overflow stops on the device as
+before (`--moe-hybridep-overflow-policy fail` keeps that inside the loop too).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_ext.dispatcher import HybridEPCapacityManager
+
+logger = logging.getLogger(__name__)
+
+
+def capacity_managers(model: Any) -> list[HybridEPCapacityManager]:
+    """The capacity-mode dispatch managers of `model` (a module or Megatron's list of chunks)."""
+    chunks = model if isinstance(model, (list, tuple)) else [model]
+    found = []
+    for chunk in chunks:
+        for module in chunk.modules():
+            manager = getattr(getattr(module, "token_dispatcher", None), "_comm_manager", None)
+            if isinstance(manager, HybridEPCapacityManager) and manager.options.capacity_factor is not None:
+                found.append(manager)
+    return found
+
+
+def _rerun_enabled(model: Any) -> bool:
+    chunks = model if isinstance(model, (list, tuple)) else [model]
+    config = getattr(chunks[0], "config", None) if chunks else None
+    if config is None:
+        from megatron.core.utils import get_model_config
+
+        config = get_model_config(chunks[0])
+    return (
+        getattr(config, "moe_hybridep_capacity_factor", None) is not None
+        and getattr(config, "moe_hybridep_overflow_policy", "rerun") == "rerun"
+    )
+
+
+def _replayable(data_iterator: Any, num_microbatches: int) -> Callable[[], Any]:
+    """Read the step's micro-batches now; return a function giving fresh iterators over them,
+    shaped like `data_iterator` (an iterator, None, or one per model chunk)."""
+
+    def read(iterator):
+        return None if iterator is None else [next(iterator) for _ in range(num_microbatches)]
+
+    if isinstance(data_iterator, list):
+        per_chunk = [read(iterator) for iterator in data_iterator]
+        return lambda: [None if batches is None else iter(batches) for batches in per_chunk]
+    batches = read(data_iterator)
+    return lambda: None if batches is None else iter(batches)
+
+
+def _discard_gradients(chunks: Iterable[torch.nn.Module]) -> None:
+    for chunk in chunks:
+        if hasattr(chunk, "zero_grad_buffer"):  # Megatron's DDP: the gradients live in its buffers
+            chunk.zero_grad_buffer()
+        for parameter in chunk.parameters():
+            parameter.grad = None
+    try:
+        from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
+    except ImportError:  # pragma: no cover - a megatron-core without the tracker
+        return
+    clear_aux_losses_tracker()
+
+
+def _flag_device() -> torch.device:
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+class OverflowRerun:
+    """Megatron's `forward_backward_func`, re-run blocking when a capacity-mode dispatch overflowed."""
+
+    def __init__(self, forward_backward_func: Any):
+        self.forward_backward_func = forward_backward_func
+        self.reruns = 0  # steps re-run since this wrapper was made
+
+    def __getattr__(self, name: str) -> Any:  # what Megatron reads off the function it wrapped
+        return getattr(self.forward_backward_func, name)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        model = kwargs.get("model")
+        if args or model is None or not _rerun_enabled(model):
+            return self.forward_backward_func(*args, **kwargs)
+        managers = capacity_managers(model)
+        chunks = model if isinstance(model, (list, tuple)) else [model]
+        step_input = _replayable(kwargs.get("data_iterator"), kwargs["num_microbatches"])
+        kwargs["data_iterator"] = step_input()
+        for manager in managers:
+            manager.record_overflow, manager.overflowed = True, None
+        try:
+            result = self.forward_backward_func(**kwargs)
+            overflowed = torch.zeros(1, dtype=torch.int32, device=_flag_device())
+            for manager in managers:
+                if manager.overflowed is not None:
+                    overflowed = torch.maximum(overflowed, manager.overflowed.to(overflowed.device))
+            dist.all_reduce(overflowed, op=dist.ReduceOp.MAX)
+            if int(overflowed.item()) == 0:  # the step's one host read
+                return result
+            self.reruns += 1
+            if dist.get_rank() == 0:
+                logger.warning(
+                    "megatron-ext: a capacity-mode MoE dispatch overflowed in this step; its gradients are "
+                    "discarded and its micro-batches run again with blocking dispatches (re-run %d).",
+                    self.reruns,
+                )
+            if not kwargs.get("forward_only", False):
+                _discard_gradients(chunks)
+            for manager in managers:
+                manager.force_blocking, manager.blocking_rows_max, manager.overflowed = True, 0, None
+            kwargs["data_iterator"] = step_input()
+            result = self.forward_backward_func(**kwargs)
+            for manager in managers:
+                manager.grow_capacity()
+            return result
+        finally:
+            for manager in managers:
+                manager.record_overflow, manager.force_blocking, manager.overflowed = False, False, None

@@ -1,0 +1,182 @@
+"""Capacity-mode overflow recovery in Megatron's training loop (`megatron_ext.recovery`), on 1 and
+2 spawned gloo ranks with real Megatron MoE layers.
+
+The step function stands in for Megatron's `forward_backward_func`: it runs the step's
+micro-batches through the layer and accumulates their gradients. The reference is the same layer,
+same weights, with blocking dispatches.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.distributed import Checks, assert_ok, merged_results, run_ranks
+from tests.megatron_env import FLEX, copy_weights, init_megatron, make_config, moe_layer, step_inputs
+
+HIDDEN = 16
+WORLD_SIZES = (1, 2)
+MICROBATCHES = 2
+
+
+def _forward_backward(*, model, data_iterator, num_microbatches, forward_only=False, **_):
+    """Megatron's schedule in miniature: the losses of `num_microbatches` micro-batches."""
+    layer = model[0]
+    losses = []
+    for _ in range(num_microbatches):
+        x = next(data_iterator)
+        out = layer(x)[0]
+        loss = (out * torch.linspace(-1.0, 1.0, out.numel()).view_as(out)).sum()
+        if not forward_only:
+            loss.backward()
+        losses.append(loss.detach())
+    return losses
+
+
+def _step(layer, batches, wrapper=None):
+    """One training step: gradients zeroed, the micro-batches run; returns (losses, gradients)."""
+    layer.zero_grad(set_to_none=True)
+    func = wrapper or _forward_backward
+    losses = func(model=[layer], data_iterator=iter(batches), num_microbatches=len(batches), forward_only=False)
+    grads = {n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None}
+    return losses, grads
+
+
+def _layers(world, **options):
+    capacity = moe_layer(make_config(world, **FLEX, moe_hybridep_capacity_factor=1.5, **options), experts="grouped")
+    blocking = moe_layer(make_config(world, **FLEX), experts="grouped", seed=9)
+    copy_weights(capacity, blocking)
+    return capacity, blocking, capacity.token_dispatcher._comm_manager
+
+
+def _assert_same_step(expected, actual):
+    (losses_a, grads_a), (losses_b, grads_b) = expected, actual
+    assert all(torch.equal(a, b) for a, b in zip(losses_a, losses_b, strict=True)), (losses_a, losses_b)
+    assert grads_a.keys() == grads_b.keys()
+    for name in grads_a:
+        assert torch.equal(grads_a[name], grads_b[name]), name
+
+
+def overflow_reruns_the_step_blocking_and_grows_the_capacity(rank, world):
+    from megatron_ext.capacity import capacity_from_rows
+    from megatron_ext.recovery import OverflowRerun
+
+    layer, blocking, manager = _layers(world)
+    runner = OverflowRerun(_forward_backward)
+    inputs = step_inputs(rank, 1 + 2 * MICROBATCHES, 32, HIDDEN, seed=5)
+    calibration, step, later = inputs[:1], inputs[1 : 1 + MICROBATCHES], inputs[1 + MICROBATCHES :]
+    _step(layer, calibration, runner)  # calibrates
+    _step(blocking, calibration)
+    manager.capacity = 4  # as if routing had drifted far past the calibrated rows: every rank overflows
+    blocking_dispatches = manager.stats.blocking_dispatches
+
+    rerun = _step(layer, step, runner)
+    _assert_same_step(_step(blocking, step), rerun)  # the kept step is the blocking one: no truncated rows
+    assert runner.reruns == 1
+    # the re-run's dispatches were blocking, one per micro-batch
+    assert manager.stats.blocking_dispatches - blocking_dispatches == MICROBATCHES
+    local = torch.tensor([manager.blocking_rows_max])
+    torch.distributed.all_reduce(local, op=torch.distributed.ReduceOp.MAX)
+    assert manager.capacity == capacity_from_rows(int(local), 1.5, None) > 4
+    assert not manager.record_overflow and not manager.force_blocking  # nothing left switched on
+
+    non_blocking = manager.stats.non_blocking_dispatches
+    _assert_same_step(_step(blocking, later), _step(layer, later, runner))
+    assert runner.reruns == 1, "a step within the grown capacity was re-run"
+    assert manager.stats.non_blocking_dispatches - non_blocking == MICROBATCHES  # capacity mode again
+
+
+def no_overflow_no_rerun(rank, world):
+    from megatron_ext.recovery import OverflowRerun
+
+    layer, blocking, manager = _layers(world)
+    runner = OverflowRerun(_forward_backward)
+    inputs = step_inputs(rank, 1 + MICROBATCHES, 32, HIDDEN, seed=6)
+    for batches in (inputs[:1], inputs[1:]):
+        _assert_same_step(_step(blocking, batches), _step(layer, batches, runner))
+    assert runner.reruns == 0 and manager.stats.non_blocking_dispatches == MICROBATCHES
+
+
+def fail_policy_stops_on_the_device(rank, world):
+    from megatron_ext.recovery import OverflowRerun
+
+    layer, _, manager = _layers(world, moe_hybridep_overflow_policy="fail")
+    runner = OverflowRerun(_forward_backward)
+    inputs = step_inputs(rank, 2, 32, HIDDEN, seed=7)
+    _step(layer, inputs[:1], runner)
+    manager.capacity = 4
+    with pytest.raises(RuntimeError, match="--moe-hybridep-capacity-factor"):
+        _step(layer, inputs[1:], runner)
+    assert runner.reruns == 0
+
+
+CHECKS = (
+    overflow_reruns_the_step_blocking_and_grows_the_capacity,
+    no_overflow_no_rerun,
+    fail_policy_stops_on_the_device,
+)
+
+
+def _worker(rank, world_size, out_dir):
+    init_megatron(world_size)
+    import megatron_ext.patches
+
+    megatron_ext.patches.apply(training=False)
+    checks = Checks()
+    for check in CHECKS:
+        checks.run(check.__name__, check, rank, world_size)
+    checks.save(out_dir, rank)
+
+
+@pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda w: f"world{w}")
+def results(request, tmp_path_factory):
+    out_dir = tmp_path_factory.mktemp(f"recovery_world{request.param}")
+    run_ranks(request.param, _worker, str(out_dir))
+    return merged_results(out_dir, request.param)
+
+
+@pytest.mark.parametrize("check", [c.__name__ for c in CHECKS])
+def test_recovery(results, check):
+    assert_ok(results, check)
+
+
+def test_the_patch_wraps_the_schedule_of_megatrons_training_loop():
+    from megatron.core.pipeline_parallel import schedules
+
+    import megatron_ext.patches as patches
+    from megatron_ext.recovery import OverflowRerun
+
+    with patches.patched(dispatcher=False, experts=False, arguments=False, training=True) as done:
+        import megatron.training.training as training
+
+        assert done == ["megatron.training.training.get_forward_backward_func"]
+        func = training.get_forward_backward_func(pp_size=1)
+        assert isinstance(func, OverflowRerun)
+        assert func.forward_backward_func is schedules.forward_backward_no_pipelining
+    assert training.get_forward_backward_func(pp_size=1) is schedules.forward_backward_no_pipelining
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        dict(moe_hybridep_capacity_factor=None),
+        dict(moe_hybridep_capacity_factor=1.5, moe_hybridep_overflow_policy="fail"),
+    ],
+    ids=["no-capacity-mode", "fail-policy"],
+)
+def test_without_the_rerun_policy_the_step_passes_through(config):
+    import types
+
+    from megatron_ext.recovery import OverflowRerun
+
+    seen = {}
+
+    def inner(**kwargs):
+        seen.update(kwargs)
+        return "losses"
+
+    module = torch.nn.Linear(2, 2)
+    module.config = types.SimpleNamespace(**config)
+    data = iter([1, 2])
+    assert OverflowRerun(inner)(model=[module], data_iterator=data, num_microbatches=2) == "losses"
+    assert seen["data_iterator"] is data  # not read ahead, not copied
