@@ -25,9 +25,8 @@ class HybridEPTransformerConfig(TransformerConfig):
     dispatch, which reads the permuted row count on the host at every MoE layer. A factor f >= 1.0:
     each MoE layer runs one blocking calibration dispatch, then sizes every later dispatch to
     ceil(rows x f) (the EP-group maximum, aligned) and runs it without any host synchronisation;
-    a dispatch that needs more rows stops training with an error naming the layer, never
-    truncating tokens silently. Needs --moe-token-dispatcher-type flex
-    --moe-flex-dispatcher-backend hybridep."""
+    a dispatch that needs more rows is never trained on: see --moe-hybridep-overflow-policy.
+    Needs --moe-token-dispatcher-type flex --moe-flex-dispatcher-backend hybridep."""
 
     moe_hybridep_equal_token_counts: bool = False
     """[megatron-ext] Declare that every rank of the expert-parallel group holds the same number

@@ -47,12 +47,10 @@ def capacity_managers(model: Any) -> list[HybridEPCapacityManager]:
 
 
 def _rerun_enabled(model: Any) -> bool:
-    chunks = model if isinstance(model, (list, tuple)) else [model]
-    config = getattr(chunks[0], "config", None) if chunks else None
-    if config is None:
-        from megatron.core.utils import get_model_config
+    from megatron.core.utils import get_model_config
 
-        config = get_model_config(chunks[0])
+    chunks = model if isinstance(model, (list, tuple)) else [model]
+    config = get_model_config(chunks[0])  # the same on every rank, so every rank decides alike
     return (
         getattr(config, "moe_hybridep_capacity_factor", None) is not None
         and getattr(config, "moe_hybridep_overflow_policy", "rerun") == "rerun"
