@@ -55,7 +55,9 @@ class HybridEPTransformerConfig(TransformerConfig):
     step's overflow is recorded on the device and checked once at its end (one all-reduce for the
     model); if any dispatch overflowed, the step's gradients are discarded, the same micro-batches
     run again with blocking dispatches, and the overflowed layers' capacities grow to ceil(rows x
-    factor) for the steps after. fail: stop at the overflowing dispatch with a device assert.
+    factor) for the steps after (as they also grow, without a re-run, once a step used more than
+    half of the room above the calibrated rows). fail: stop at the overflowing dispatch with a
+    device assert.
     Outside Megatron's training loop an overflow always stops with the device assert."""
 
     def __post_init__(self):

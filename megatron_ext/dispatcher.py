@@ -123,6 +123,9 @@ class HybridEPCapacityManager:
         self.overflowed: Optional[torch.Tensor] = None
         self.force_blocking = False
         self.blocking_rows_max = 0
+        # The most rows a non-blocking dispatch filled since the recovery last looked (device int64
+        # scalar; None before the first): its headroom check reads it once per step, with the rest.
+        self.rows_used_window: Optional[torch.Tensor] = None
         self._inflight: Optional[InFlight] = None
         self._num_tokens = 0  # this rank's tokens in the current dispatch, before padding
         self._last_buffer: Any = None  # the buffer of the latest dispatch (stats for tests and the bench)
@@ -211,6 +214,8 @@ class HybridEPCapacityManager:
             self._assert_no_overflow(handle)
             used = self.tokens_per_expert.sum()
             self.rows_used_max = used if self.rows_used_max is None else torch.maximum(self.rows_used_max, used)
+            window = self.rows_used_window
+            self.rows_used_window = used if window is None else torch.maximum(window, used)
         self._inflight = InFlight(buffer, handle, extent, self._num_tokens)
         return rows
 
@@ -266,11 +271,18 @@ class HybridEPCapacityManager:
             self.capacity,
         )
 
-    def grow_capacity(self) -> Optional[int]:
-        """After blocking dispatches (a re-run): size the capacity to their largest row count (the
-        EP-group maximum) x the factor if that is more than it has; return the new capacity, or
-        None when it stays. One all-reduce and one host read; call it between steps only."""
-        largest = torch.full((1,), self.blocking_rows_max, dtype=torch.int64, device=self._device())
+    def headroom_threshold(self) -> Optional[int]:
+        """Rows above which the layer's headroom is thin: half of the padding above the calibrated
+        rows used up. None before calibration."""
+        if self.capacity is None or self.calibrated_rows is None:
+            return None
+        return self.calibrated_rows + (self.capacity - self.calibrated_rows) // 2
+
+    def grow_capacity(self, local_rows: int | torch.Tensor, why: str) -> Optional[int]:
+        """Size the capacity to the EP-group maximum of `local_rows` x the factor if that is more
+        than it has; return the new capacity, or None when it stays. One all-reduce and one host
+        read: call it between steps only (`megatron_ext.recovery` does)."""
+        largest = torch.as_tensor(local_rows, dtype=torch.int64).reshape(1).to(self._device()).clone()
         dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=self.group)
         self.stats.host_reads += 1
         rows = int(largest.item())
@@ -278,10 +290,11 @@ class HybridEPCapacityManager:
         if self.capacity is not None and capacity <= self.capacity:
             return None
         logger.warning(
-            "megatron-ext: %s: capacity %s -> %d (a re-run needed %d rows, EP-group max, x %s).",
+            "megatron-ext: %s: capacity %s -> %d (%s: %d rows, EP-group max, x %s).",
             self.name,
             self.capacity,
             capacity,
+            why,
             rows,
             self.options.capacity_factor,
         )

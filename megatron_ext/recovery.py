@@ -15,6 +15,9 @@
    factor) of the largest row count the re-run needed (EP-group maximum). The next step runs in
    capacity mode again. Capacities change only here, between steps, never while activation
    checkpoints of a step may still be replayed.
+5. if none did, but some layer filled more than half of the padding above its calibrated rows,
+   grows that layer's capacity the same way (from the most rows it filled), so that drifting
+   routing is met before it overflows. The check of step 3 covers this too: no extra read.
 
 Outside Megatron's training loop nothing wraps the step, and an overflow stops on the device as
 before (`--moe-hybridep-overflow-policy fail` keeps that inside the loop too).
@@ -96,6 +99,23 @@ class OverflowRerun:
     def __init__(self, forward_backward_func: Any):
         self.forward_backward_func = forward_backward_func
         self.reruns = 0  # steps re-run since this wrapper was made
+        self.resizes = 0  # steps after which thin headroom grew capacities
+
+    @staticmethod
+    def _check(managers: list[HybridEPCapacityManager]) -> tuple[bool, bool]:
+        """(any rank's layer overflowed, any rank's layer used more than half its headroom): one
+        all-reduce over every rank and the step's one host read."""
+        flags = torch.zeros(2, dtype=torch.int32, device=_flag_device())
+        for manager in managers:
+            if manager.overflowed is not None:
+                flags[0] = torch.maximum(flags[0], manager.overflowed.to(flags.device).reshape(()))
+            threshold = manager.headroom_threshold()
+            if manager.rows_used_window is not None and threshold is not None:
+                thin = (manager.rows_used_window.to(flags.device) > threshold).to(torch.int32)
+                flags[1] = torch.maximum(flags[1], thin)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        overflowed, thin = flags.tolist()
+        return bool(overflowed), bool(thin)
 
     def __getattr__(self, name: str) -> Any:  # what Megatron reads off the function it wrapped
         return getattr(self.forward_backward_func, name)
@@ -109,15 +129,16 @@ class OverflowRerun:
         step_input = _replayable(kwargs.get("data_iterator"), kwargs["num_microbatches"])
         kwargs["data_iterator"] = step_input()
         for manager in managers:
-            manager.record_overflow, manager.overflowed = True, None
+            manager.record_overflow, manager.overflowed, manager.rows_used_window = True, None, None
         try:
             result = self.forward_backward_func(**kwargs)
-            overflowed = torch.zeros(1, dtype=torch.int32, device=_flag_device())
-            for manager in managers:
-                if manager.overflowed is not None:
-                    overflowed = torch.maximum(overflowed, manager.overflowed.to(overflowed.device))
-            dist.all_reduce(overflowed, op=dist.ReduceOp.MAX)
-            if int(overflowed.item()) == 0:  # the step's one host read
+            overflowed, thin = self._check(managers)
+            if not overflowed:
+                if thin:  # grow before an overflow: the layers whose headroom is half used
+                    for manager in managers:
+                        if manager.rows_used_window is not None:
+                            manager.grow_capacity(manager.rows_used_window, "headroom half used")
+                    self.resizes += 1
                 return result
             self.reruns += 1
             if dist.get_rank() == 0:
@@ -133,7 +154,7 @@ class OverflowRerun:
             kwargs["data_iterator"] = step_input()
             result = self.forward_backward_func(**kwargs)
             for manager in managers:
-                manager.grow_capacity()
+                manager.grow_capacity(manager.blocking_rows_max, "a re-run after an overflow needed")
             return result
         finally:
             for manager in managers:

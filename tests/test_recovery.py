@@ -97,6 +97,24 @@ def no_overflow_no_rerun(rank, world):
     assert runner.reruns == 0 and manager.stats.non_blocking_dispatches == MICROBATCHES
 
 
+def thin_headroom_grows_the_capacity_before_an_overflow(rank, world):
+    from megatron_ext.recovery import OverflowRerun
+
+    layer, blocking, manager = _layers(world)
+    runner = OverflowRerun(_forward_backward)
+    batches = step_inputs(rank, 1, 32, HIDDEN, seed=8)
+    _step(layer, batches, runner)  # calibrates on these tokens
+    _step(blocking, batches)
+    calibrated, learned = manager.calibrated_rows, manager.capacity
+    assert calibrated > 8
+    # As if the layer had been calibrated on 8 rows fewer, with 4 rows of room left: the same
+    # tokens again fit (no overflow) but fill more than half of the room above the calibration.
+    manager.calibrated_rows, manager.capacity = calibrated - 8, calibrated + 4
+    _assert_same_step(_step(blocking, batches), _step(layer, batches, runner))
+    assert (runner.reruns, runner.resizes) == (0, 1)
+    assert manager.capacity == learned  # ceil(the EP-group max of the rows used x 1.5), aligned
+
+
 def fail_policy_stops_on_the_device(rank, world):
     from megatron_ext.recovery import OverflowRerun
 
@@ -113,6 +131,7 @@ def fail_policy_stops_on_the_device(rank, world):
 CHECKS = (
     overflow_reruns_the_step_blocking_and_grows_the_capacity,
     no_overflow_no_rerun,
+    thin_headroom_grows_the_capacity_before_an_overflow,
     fail_policy_stops_on_the_device,
 )
 
