@@ -40,7 +40,6 @@ import re
 import sys
 from unittest import mock
 
-import megatron_ext.patches
 import torch
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDatasetConfig, MockGPTDataset
@@ -62,9 +61,9 @@ from megatron.training.arguments import (
     validate_args,
 )
 from megatron.training.global_vars import set_args
-from megatron_ext.patches._moe_layer import select_experts
 
 import megatron_ext.arguments
+import megatron_ext.patches
 from megatron_ext.experts import GroupedMLP
 from megatron_ext.options import (
     CONFIG_PREFIX,
@@ -74,6 +73,7 @@ from megatron_ext.options import (
     flag,
     resolve_implementation,
 )
+from megatron_ext.patches._moe_layer import select_experts
 
 DRY_RUN = "--megatron-ext-dry-run"
 # What the dry run tells validate_args when it asks the GPU (it never asks the real one).
@@ -99,8 +99,21 @@ def escape_stray_percent(parser):
     return parser
 
 
+# Flags Megatron's parser leaves unset but a run needs; without them Megatron fails later with a
+# bare AssertionError (--micro-batch-size) or a TypeError (--eval-interval, --train-iters).
+REQUIRED = {
+    "micro_batch_size": "--micro-batch-size N (sequences per GPU per micro-batch)",
+    "train_iters": "--train-iters N",
+    "eval_interval": "--eval-interval N (iterations between evaluations)",
+    "seq_length": "--seq-length N",
+}
+
+
 def check_supported(args) -> None:
-    """Exit with a message for what this example does not do."""
+    """Exit with a message for what this example does not do, or a flag it needs and lacks."""
+    missing = [text for name, text in REQUIRED.items() if getattr(args, name, None) is None]
+    if missing:
+        sys.exit(f"{sys.argv[0]}: set {'; '.join(missing)}.")
     if not args.mock_data:
         sys.exit(f"{sys.argv[0]}: this example trains on mock data only; pass --mock-data.")
     if args.context_parallel_size != 1:

@@ -7,6 +7,7 @@ host copy and CUDA RNG state with CPU ones (the bench uses the same).
 from __future__ import annotations
 
 import torch
+
 from megatron_ext.patches.cpu import use_cpu_ranks
 
 

@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 import pytest
+
 from megatron_ext.patches import (
     MovedSymbolError,
     UnsupportedMegatronError,

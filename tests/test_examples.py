@@ -98,6 +98,9 @@ def dry_runs(tmp_path_factory, smoke_args) -> dict[str, subprocess.CompletedProc
     }
     invalid = [sys.executable, str(PRETRAIN), *smoke_args, FACTOR, "0.5", DRY_RUN_FLAG]
     commands["invalid"] = (invalid, script_env())
+    unset = {"--micro-batch-size": 2, "--eval-interval": 2}  # each flag with its value, removed
+    incomplete = [a for i, a in enumerate(smoke_args) if not _is_removed(smoke_args, i, unset)]
+    commands["incomplete"] = ([sys.executable, str(PRETRAIN), *incomplete, DRY_RUN_FLAG], script_env())
     commands["help"] = ([sys.executable, str(PRETRAIN), "--help"], script_env(COLUMNS="10000"))
     running = {}
     for name, (command, env) in commands.items():
@@ -112,6 +115,15 @@ def dry_runs(tmp_path_factory, smoke_args) -> dict[str, subprocess.CompletedProc
         )
         for name, process in running.items()
     }
+
+
+def _is_removed(argv: list[str], index: int, flags: dict[str, int]) -> bool:
+    """Whether argv[index] is one of `flags` or one of the values that follow it."""
+    for flag, width in flags.items():
+        for start in (i for i, a in enumerate(argv) if a == flag):
+            if start <= index < start + width:
+                return True
+    return False
 
 
 def dry_run_report(dry_runs, name: str) -> dict[str, str]:
@@ -179,6 +191,14 @@ def test_dry_run_refuses_a_capacity_factor_below_one(dry_runs):
     assert result.returncode == 2, result.stderr[-3000:]
     assert "error: --moe-hybridep-capacity-factor 0.5 would drop tokens" in result.stderr
     assert "megatron-ext dry run:" not in result.stdout
+
+
+def test_dry_run_names_the_flags_a_run_needs(dry_runs):
+    result = dry_runs["incomplete"]
+
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "set --micro-batch-size N" in result.stderr and "--eval-interval N" in result.stderr
+    assert "Traceback" not in result.stderr
 
 
 def test_help_lists_the_dry_run_and_megatron_ext_flags(dry_runs):
