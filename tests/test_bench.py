@@ -195,6 +195,8 @@ def test_a_mode_that_differs_fails_the_run_by_name():
         (["--experts", "6", "--world-size", "4"], "--experts 6 must be divisible by the 4 ranks"),
         (["--modes", "blocking,fast"], "--modes: unknown mode(s) fast; choose from"),
         (["--steps", "0"], "--steps must be at least 1"),
+        (["--json", "/no/such/folder/out.json"], "--json /no/such/folder/out.json: cannot write there"),
+        (["--json", "/"], "--json /: cannot write there"),
     ],
 )
 def test_bad_arguments_are_refused_with_the_fix(argv, message, capsys, monkeypatch):

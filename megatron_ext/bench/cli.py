@@ -118,7 +118,21 @@ def parse(argv=None) -> argparse.Namespace:
             import matplotlib  # noqa: F401
         except ImportError:
             p.error("--plot needs matplotlib: pip install 'megatron-ext[plot]'")
+    for option in ("json", "plot"):  # before the run, not after it
+        path = getattr(args, option)
+        if path is not None and not _writable(path):
+            p.error(f"--{option} {path}: cannot write there (its folder is missing or read-only)")
     return args
+
+
+def _writable(path: str) -> bool:
+    """Whether a file can be written at `path` (an existing file stays untouched)."""
+    if os.path.isdir(path):
+        return False
+    if os.path.exists(path):
+        return os.access(path, os.W_OK)
+    folder = os.path.dirname(os.path.abspath(path))
+    return os.path.isdir(folder) and os.access(folder, os.W_OK)
 
 
 def sizes_of(args) -> Sizes:
