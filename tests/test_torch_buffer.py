@@ -42,14 +42,14 @@ def _round_down(x, m):
 
 def _forward_backward(buf, x, m, p, rank, weights, num_local, capacity, pad_multiple):
     """dispatch -> per-row weighting by the dispatched probs -> combine -> loss -> backward."""
-    from megatron_ext.hybridep import combine, dispatch
+    from megatron_ext.hybridep import combine, dispatch, overflow_flag
 
     x = x.clone().requires_grad_()
     p = p.clone().requires_grad_()
     rows, row_probs, counts, handle = dispatch(
         buf, x, m, p, num_local_experts=num_local, num_permuted_tokens=capacity, pad_multiple=pad_multiple
     )
-    traffic = buf.last_dispatch_traffic
+    traffic = getattr(buf, "last_dispatch_traffic", None)  # deep_ep's buffer does not count bytes
     weighted = rows * row_probs.unsqueeze(1).to(rows.dtype)
     out = combine(buf, weighted, handle, num_permuted_tokens=capacity, pad_multiple=pad_multiple)
     (out.float() * weights[rank]).sum().backward()
@@ -57,7 +57,7 @@ def _forward_backward(buf, x, m, p, rank, weights, num_local, capacity, pad_mult
         rows=rows.detach(),
         row_probs=row_probs.detach(),
         counts=counts,
-        flag=handle.overflow_flag,
+        flag=overflow_flag(handle),
         traffic=traffic,
         out=out.detach(),
         grad_x=x.grad,
