@@ -118,6 +118,8 @@ class OverflowRerun:
         return bool(overflowed), bool(thin)
 
     def __getattr__(self, name: str) -> Any:  # what Megatron reads off the function it wrapped
+        if name == "forward_backward_func":  # not set yet (a copy being built): no recursion
+            raise AttributeError(name)
         return getattr(self.forward_backward_func, name)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
