@@ -288,6 +288,9 @@ class HybridEPCapacityManager:
         rows = int(largest.item())
         capacity = capacity_from_rows(rows, self.options.capacity_factor, self.pad_multiple)
         if self.capacity is not None and capacity <= self.capacity:
+            # Rounding kept the capacity: count the rows as learned, so that the headroom check
+            # does not come back to this layer every step.
+            self.calibrated_rows = max(self.calibrated_rows or 0, rows)
             return None
         logger.warning(
             "megatron-ext: %s: capacity %s -> %d (%s: %d rows, EP-group max, x %s).",
