@@ -71,6 +71,10 @@ class InFlight:
     num_tokens: int  # this rank's tokens before padding
 
 
+# The name of megatron-ext's per-layer metric in Megatron's MoE logging (console, TensorBoard, W&B).
+CAPACITY_USE_METRIC = "hybridep_capacity_use"
+
+
 def device_message(text: str) -> str:
     """`text` cut to what a CUDA device-side assert carries (fewer than 255 characters)."""
     return text if len(text) < DEVICE_MESSAGE_LIMIT else text[: DEVICE_MESSAGE_LIMIT - 4] + "..."
@@ -126,6 +130,10 @@ class HybridEPCapacityManager:
         # The most rows a non-blocking dispatch filled since the recovery last looked (device int64
         # scalar; None before the first): its headroom check reads it once per step, with the rest.
         self.rows_used_window: Optional[torch.Tensor] = None
+        # Set by megatron_ext.recovery in Megatron's training loop: each forward dispatch records
+        # its rows / capacity in Megatron's MoE metrics (a device add, no read).
+        self.log_metrics = False
+        self.layer_number: Optional[int] = None  # Megatron's, set by the MoELayer patch
         self._inflight: Optional[InFlight] = None
         self._num_tokens = 0  # this rank's tokens in the current dispatch, before padding
         self._last_buffer: Any = None  # the buffer of the latest dispatch (stats for tests and the bench)
@@ -207,6 +215,8 @@ class HybridEPCapacityManager:
             self.stats.blocking_dispatches += 1
             extent = rows.shape[0]  # known on the host once a blocking dispatch returns
             self.blocking_rows_max = max(self.blocking_rows_max, extent)
+            if self.capacity is not None:  # a re-run: its rows against the capacity it outgrew
+                self._record_capacity_use(torch.full((), extent, dtype=torch.float32, device=rows.device))
             if self.options.capacity_factor is not None and self.capacity is None:
                 self._calibrate(extent, rows.device)
         else:
@@ -216,6 +226,7 @@ class HybridEPCapacityManager:
             self.rows_used_max = used if self.rows_used_max is None else torch.maximum(self.rows_used_max, used)
             window = self.rows_used_window
             self.rows_used_window = used if window is None else torch.maximum(window, used)
+            self._record_capacity_use(used)
         self._inflight = InFlight(buffer, handle, extent, self._num_tokens)
         return rows
 
@@ -269,6 +280,18 @@ class HybridEPCapacityManager:
             self.calibrated_rows,
             self.options.capacity_factor,
             self.capacity,
+        )
+
+    def _record_capacity_use(self, rows: torch.Tensor) -> None:
+        """Rows / capacity of this forward dispatch into Megatron's MoE metrics (`CAPACITY_USE_METRIC`,
+        logged per iteration as the mean over micro-batches and MoE layers)."""
+        if not self.log_metrics or self.layer_number is None or in_backward():  # a recompute replay: counted once
+            return
+        from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+
+        num_layers = self.config.num_layers + (getattr(self.config, "mtp_num_layers", None) or 0)
+        get_moe_metrics_tracker().record(
+            CAPACITY_USE_METRIC, rows.float() / self.capacity, self.layer_number, num_layers
         )
 
     def headroom_threshold(self) -> Optional[int]:

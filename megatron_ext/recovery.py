@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -49,15 +49,25 @@ def capacity_managers(model: Any) -> list[HybridEPCapacityManager]:
     return found
 
 
-def _rerun_enabled(model: Any) -> bool:
+# Whether this process runs capacity mode in Megatron's training loop (set by OverflowRerun on its
+# first step, on every rank alike): the MoE metrics report then includes CAPACITY_USE_METRIC.
+_capacity_metrics = False
+
+
+def capacity_metrics_on() -> bool:
+    return _capacity_metrics
+
+
+def _policy(model: Any) -> Optional[str]:
+    """The overflow policy when capacity mode is on, else None (the config is the same on every
+    rank, so every rank decides alike)."""
     from megatron.core.utils import get_model_config
 
     chunks = model if isinstance(model, (list, tuple)) else [model]
-    config = get_model_config(chunks[0])  # the same on every rank, so every rank decides alike
-    return (
-        getattr(config, "moe_hybridep_capacity_factor", None) is not None
-        and getattr(config, "moe_hybridep_overflow_policy", "rerun") == "rerun"
-    )
+    config = get_model_config(chunks[0])
+    if getattr(config, "moe_hybridep_capacity_factor", None) is None:
+        return None
+    return getattr(config, "moe_hybridep_overflow_policy", "rerun")
 
 
 def _replayable(data_iterator: Any, num_microbatches: int) -> Callable[[], Any]:
@@ -123,10 +133,17 @@ class OverflowRerun:
         return getattr(self.forward_backward_func, name)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        global _capacity_metrics
         model = kwargs.get("model")
-        if args or model is None or not _rerun_enabled(model):
+        policy = None if args or model is None else _policy(model)
+        if policy is None:
             return self.forward_backward_func(*args, **kwargs)
+        _capacity_metrics = True
         managers = capacity_managers(model)
+        for manager in managers:
+            manager.log_metrics = True
+        if policy != "rerun":
+            return self.forward_backward_func(*args, **kwargs)
         chunks = model if isinstance(model, (list, tuple)) else [model]
         step_input = _replayable(kwargs.get("data_iterator"), kwargs["num_microbatches"])
         kwargs["data_iterator"] = step_input()

@@ -22,7 +22,8 @@ UTILS_CONFIG = "megatron.training.argument_utils.TransformerConfig"
 MLA_CONFIG = "megatron.core.transformer.MLATransformerConfig"
 ADD_ARGUMENTS = "megatron.training.arguments.add_megatron_arguments"
 TRAINING = "megatron.training.training.get_forward_backward_func"
-ALL_TARGETS = [DISPATCHER, MOE_INIT, ARGS_CONFIG, UTILS_CONFIG, MLA_CONFIG, ADD_ARGUMENTS, TRAINING]
+MOE_REPORT = "megatron.core.transformer.moe.moe_logging.MoEMetricsTracker.report"
+ALL_TARGETS = [DISPATCHER, MOE_INIT, ARGS_CONFIG, UTILS_CONFIG, MLA_CONFIG, ADD_ARGUMENTS, TRAINING, MOE_REPORT]
 
 
 def current(target):
@@ -80,7 +81,7 @@ def assert_patched(originals, replacements, targets):
             assert now is replacements[target], target
         elif target == MOE_INIT:
             assert now.__megatron_ext_original__ is originals[target]
-        elif target in (ADD_ARGUMENTS, TRAINING):
+        elif target in (ADD_ARGUMENTS, TRAINING, MOE_REPORT):
             assert now.__wrapped__ is originals[target]
 
 
@@ -281,7 +282,7 @@ def test_apply_dispatcher_only(originals, replacements):
             {"dispatcher": False, "experts": False, "arguments": True, "training": False},
             [ARGS_CONFIG, UTILS_CONFIG, MLA_CONFIG, ADD_ARGUMENTS],
         ),
-        ({"dispatcher": False, "experts": False, "arguments": False, "training": True}, [TRAINING]),
+        ({"dispatcher": False, "experts": False, "arguments": False, "training": True}, [TRAINING, MOE_REPORT]),
         ({"dispatcher": False, "experts": False, "arguments": False, "training": False}, []),
     ],
 )

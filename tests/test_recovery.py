@@ -115,6 +115,26 @@ def thin_headroom_grows_the_capacity_before_an_overflow(rank, world):
     assert manager.capacity == learned  # ceil(the EP-group max of the rows used x 1.5), aligned
 
 
+def capacity_use_goes_to_megatrons_moe_metrics(rank, world):
+    from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+
+    from megatron_ext.dispatcher import CAPACITY_USE_METRIC
+    from megatron_ext.recovery import OverflowRerun
+
+    layer, _, manager = _layers(world)
+    runner = OverflowRerun(_forward_backward)
+    batches = step_inputs(rank, 2, 32, HIDDEN, seed=9)
+    _step(layer, batches[:1], runner)  # calibrates: nothing recorded (no capacity yet)
+    tracker = get_moe_metrics_tracker()
+    assert manager.layer_number == 1 and manager.log_metrics
+    tracker.clear()
+    _step(layer, batches[1:], runner)
+    recorded = tracker.metrics[CAPACITY_USE_METRIC].values
+    expected = manager.rows_used_window.float() / manager.capacity  # the step's one dispatch
+    assert recorded.shape == (1,) and torch.equal(recorded[0], expected), (recorded, expected)
+    tracker.clear()
+
+
 def fail_policy_stops_on_the_device(rank, world):
     from megatron_ext.recovery import OverflowRerun
 
@@ -132,6 +152,7 @@ CHECKS = (
     overflow_reruns_the_step_blocking_and_grows_the_capacity,
     no_overflow_no_rerun,
     thin_headroom_grows_the_capacity_before_an_overflow,
+    capacity_use_goes_to_megatrons_moe_metrics,
     fail_policy_stops_on_the_device,
 )
 
@@ -168,7 +189,10 @@ def test_the_patch_wraps_the_schedule_of_megatrons_training_loop():
     with patches.patched(dispatcher=False, experts=False, arguments=False, training=True) as done:
         import megatron.training.training as training
 
-        assert done == ["megatron.training.training.get_forward_backward_func"]
+        assert done == [
+            "megatron.training.training.get_forward_backward_func",
+            "megatron.core.transformer.moe.moe_logging.MoEMetricsTracker.report",
+        ]
         func = training.get_forward_backward_func(pp_size=1)
         assert isinstance(func, OverflowRerun)
         assert func.forward_backward_func is schedules.forward_backward_no_pipelining
@@ -199,3 +223,18 @@ def test_without_the_rerun_policy_the_step_passes_through(config):
     data = iter([1, 2])
     assert OverflowRerun(inner)(model=[module], data_iterator=data, num_microbatches=2) == "losses"
     assert seen["data_iterator"] is data  # not read ahead, not copied
+
+
+@pytest.mark.parametrize("on", [True, False])
+def test_the_moe_metrics_report_names_capacity_use_in_capacity_mode(on, monkeypatch):
+    from megatron_ext import recovery
+    from megatron_ext.dispatcher import CAPACITY_USE_METRIC
+    from megatron_ext.patches import _moe_metrics_report
+
+    seen = []
+    report = _moe_metrics_report(lambda self, track_names=None, **kwargs: seen.append(track_names))
+    monkeypatch.setattr(recovery, "_capacity_metrics", on)
+    report(None, track_names=["load_balancing_loss"], iteration=3)
+    report(None, track_names=None)  # None: Megatron reports every metric, ours among them
+    expected = ["load_balancing_loss", CAPACITY_USE_METRIC] if on else ["load_balancing_loss"]
+    assert seen == [expected, None]

@@ -24,7 +24,9 @@ Patched attributes, by feature:
   same, plus validation of megatron-ext's flags when the parser parses.
 * training: `megatron.training.training.get_forward_backward_func` -> the same, its result wrapped
   in `megatron_ext.recovery.OverflowRerun` (a capacity-mode overflow re-runs the step; a
-  pass-through without capacity mode).
+  pass-through without capacity mode); `megatron.core.transformer.moe.moe_logging.
+  MoEMetricsTracker.report` -> the same, also reporting megatron-ext's capacity use in capacity
+  mode.
 """
 
 from __future__ import annotations
@@ -92,6 +94,21 @@ def _get_forward_backward_func(original: Callable) -> Callable:
     return get_forward_backward_func
 
 
+def _moe_metrics_report(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def report(self, *args, track_names=None, **kwargs):
+        from megatron_ext.recovery import capacity_metrics_on
+
+        if capacity_metrics_on() and track_names is not None:
+            from megatron_ext.dispatcher import CAPACITY_USE_METRIC
+
+            names = [track_names] if isinstance(track_names, str) else list(track_names)
+            track_names = names if CAPACITY_USE_METRIC in names else [*names, CAPACITY_USE_METRIC]
+        return original(self, *args, track_names=track_names, **kwargs)
+
+    return report
+
+
 @dataclass(frozen=True)
 class _Patch:
     target: str  # dotted name of the attribute replaced
@@ -107,6 +124,7 @@ PATCHES: tuple[_Patch, ...] = (
     _Patch("megatron.core.transformer.MLATransformerConfig", _mla_transformer_config, "arguments"),
     _Patch("megatron.training.arguments.add_megatron_arguments", _add_megatron_arguments, "arguments"),
     _Patch("megatron.training.training.get_forward_backward_func", _get_forward_backward_func, "training"),
+    _Patch("megatron.core.transformer.moe.moe_logging.MoEMetricsTracker.report", _moe_metrics_report, "training"),
 )
 FEATURES = ("dispatcher", "experts", "arguments", "training")
 

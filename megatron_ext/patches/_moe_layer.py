@@ -83,6 +83,7 @@ def wrap_init(original: Callable) -> Callable:
         manager = getattr(getattr(self, "token_dispatcher", None), "_comm_manager", None)
         if manager is not None and hasattr(manager, "stats") and self.layer_number is not None:
             manager.name = f"MoE layer {self.layer_number}"
+            manager.layer_number = self.layer_number
 
     __init__.__megatron_ext_original__ = original
     return __init__
