@@ -2,8 +2,23 @@ import pytest
 import torch
 import torch.distributed as dist
 
+# Modules whose tests spawn ranks or processes: `pytest -m "not slow"` leaves them out.
+SLOW_MODULES = {
+    "test_bench",
+    "test_examples",
+    "test_interpreter",
+    "test_launch",
+    "test_moe_layer",
+    "test_recovery",
+    "test_roundtrip",
+    "test_torch_buffer",
+}
+
 
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.module.__name__.rsplit(".", 1)[-1] in SLOW_MODULES:
+            item.add_marker(pytest.mark.slow)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (run on the H200 machine: pytest -m gpu)")
