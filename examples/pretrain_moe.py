@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import io
 import os
 import re
 import sys
@@ -293,8 +294,12 @@ def no_gpu_queries():
 def dry_run() -> None:
     args = parse_args(extra_args_provider=add_arguments)
     check_supported(args)
-    with no_gpu_queries():
+    # validate_args prints every argument (about 800 lines): kept for MEGATRON_EXT_DRY_RUN_ARGS=1.
+    arguments = io.StringIO()
+    with no_gpu_queries(), contextlib.redirect_stdout(arguments):
         validate_args(args)
+    if os.environ.get("MEGATRON_EXT_DRY_RUN_ARGS") == "1":
+        print(arguments.getvalue(), end="")
     if args.world_size % expert_grid(args):
         # validate_args leaves this to the process-group setup, which a dry run never reaches.
         sys.exit(
