@@ -57,7 +57,6 @@ class DispatchStats:
     non_blocking_dispatches: int = 0
     calibrations: int = 0
     token_count_all_reduces: int = 0
-    host_reads: int = 0  # reads of a device value on the host that this manager made itself
     capacities: list[int] = field(default_factory=list)
 
 
@@ -136,7 +135,10 @@ class HybridEPCapacityManager:
         self.layer_number: Optional[int] = None  # Megatron's, set by the MoELayer patch
         self._inflight: Optional[InFlight] = None
         self._num_tokens = 0  # this rank's tokens in the current dispatch, before padding
-        self._last_buffer: Any = None  # the buffer of the latest dispatch (stats for tests and the bench)
+        self.last_buffer: Any = None  # the buffer of the latest dispatch (its statistics: tests, the bench)
+        # Non-blocking dispatches that overflowed since the layer was built (device int64 scalar,
+        # never read here; the bench reads it after its steps).
+        self.overflows: Optional[torch.Tensor] = None
         self.routing_map: Optional[torch.Tensor] = None
         self.token_probs: Optional[torch.Tensor] = None
         self.dispatched_probs: Optional[torch.Tensor] = None
@@ -154,7 +156,6 @@ class HybridEPCapacityManager:
             largest = torch.full((1,), num_tokens, dtype=torch.int64, device=device)
             dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=self.group)
             self.stats.token_count_all_reduces += 1
-            self.stats.host_reads += 1
             return equal_count_padding(int(largest.item()), TOKEN_ALIGNMENT)
         return num_tokens
 
@@ -200,7 +201,7 @@ class HybridEPCapacityManager:
             num_local_experts=self.num_local_experts,
             reuse_allgather_buffer=self.options.reuse_allgather_buffer,
         )
-        self._last_buffer = buffer
+        self.last_buffer = buffer
         extent = self._extent()
         rows, self.dispatched_probs, self.tokens_per_expert, handle = autograd.dispatch(
             buffer,
@@ -266,7 +267,6 @@ class HybridEPCapacityManager:
         self.local_calibration_rows = rows
         largest = torch.full((1,), rows, dtype=torch.int64, device=device)
         dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=self.group)
-        self.stats.host_reads += 1
         self.calibrated_rows = int(largest.item())  # the one host read of capacity mode, per layer
         self.capacity = capacity_from_rows(self.calibrated_rows, self.options.capacity_factor, self.pad_multiple)
         self.stats.calibrations += 1
@@ -307,7 +307,6 @@ class HybridEPCapacityManager:
         read: call it between steps only (`megatron_ext.recovery` does)."""
         largest = torch.as_tensor(local_rows, dtype=torch.int64).reshape(1).to(self._device()).clone()
         dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=self.group)
-        self.stats.host_reads += 1
         rows = int(largest.item())
         capacity = capacity_from_rows(rows, self.options.capacity_factor, self.pad_multiple)
         if self.capacity is not None and capacity <= self.capacity:
@@ -336,6 +335,8 @@ class HybridEPCapacityManager:
 
     def _assert_no_overflow(self, handle: Any) -> None:
         overflow = overflow_flag(handle)
+        count = overflow.reshape(()).to(torch.int64)
+        self.overflows = count if self.overflows is None else self.overflows + count
         if self.record_overflow:
             seen = overflow.reshape(1).to(torch.int32)
             self.overflowed = seen.clone() if self.overflowed is None else torch.maximum(self.overflowed, seen)
@@ -389,6 +390,11 @@ class HybridEPTokenDispatcher(MoEFlexTokenDispatcher):
             implementation=implementation,
         )
         self.cudagraph_attrs = ["_comm_manager.token_probs", "_comm_manager.routing_map"]
+
+    @property
+    def capacity_manager(self) -> HybridEPCapacityManager:
+        """megatron-ext's dispatch manager of this layer (Megatron names it `_comm_manager`)."""
+        return self._comm_manager
 
     def dispatch_preprocess(self, hidden_states: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor):
         """Megatron's preprocessing, run eagerly for our manager (it holds collectives to compile around)."""

@@ -43,7 +43,7 @@ def capacity_managers(model: Any) -> list[HybridEPCapacityManager]:
     found = []
     for chunk in chunks:
         for module in chunk.modules():
-            manager = getattr(getattr(module, "token_dispatcher", None), "_comm_manager", None)
+            manager = getattr(getattr(module, "token_dispatcher", None), "capacity_manager", None)
             if isinstance(manager, HybridEPCapacityManager) and manager.options.capacity_factor is not None:
                 found.append(manager)
     return found

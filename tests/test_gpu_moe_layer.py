@@ -76,7 +76,7 @@ def test_capacity_stack_equals_blocking_without_host_syncs(megatron):
         for name in g_a:
             assert torch.equal(g_a[name], g_b[name]), f"step {step}: grad {name}"
     for layer in capacity.layers:
-        stats = layer.token_dispatcher._comm_manager.stats
+        stats = layer.token_dispatcher.capacity_manager.stats
         assert stats.calibrations == 1 and stats.non_blocking_dispatches == len(inputs) - 1
 
 
@@ -125,7 +125,7 @@ OVERFLOW_SCRIPT = textwrap.dedent(
     layer = moe_layer(make_config(1, **GPU, **FLEX, moe_hybridep_capacity_factor=1.0), experts="grouped")
     x = torch.randn(TOKENS, 1, HIDDEN, device="cuda", dtype=torch.bfloat16)
     layer(x)[0].sum().backward()
-    layer.token_dispatcher._comm_manager.capacity = 4
+    layer.token_dispatcher.capacity_manager.capacity = 4
     layer(x)[0].sum().backward()
     torch.cuda.synchronize()
     print("NO FAILURE")

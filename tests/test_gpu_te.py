@@ -78,7 +78,7 @@ def test_op_fuser_experts_in_capacity_mode_equal_blocking_without_host_syncs(meg
                 worst[against] = max(worst[against], error)
                 assert error <= 2e-2, f"step {step}: {what} against {against}: relative error {error:.3g}"
     for layer in capacity.layers:
-        stats = layer.token_dispatcher._comm_manager.stats
+        stats = layer.token_dispatcher.capacity_manager.stats
         assert stats.calibrations == 1 and stats.non_blocking_dispatches == len(inputs) - 1
     ahead = runahead_probe(lambda: run_steps(capacity, inputs[:1], wrap))
     print(f"\nTEGroupedMLP (op fuser), capacity 2.0 + equal counts: worst relative error {worst}; {ahead}")

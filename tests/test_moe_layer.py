@@ -20,7 +20,7 @@ HIDDEN = 16
 
 
 def _manager(layer):
-    return layer.token_dispatcher._comm_manager
+    return layer.token_dispatcher.capacity_manager
 
 
 def _assert_same(expected, actual, exact=True):
@@ -252,8 +252,8 @@ def reuse_allgather_buffer(rank, world):
     reused = moe_layer(make_config(world, **FLEX, moe_hybridep_reuse_allgather_buffer=True), experts="grouped")
     copy_weights(fresh, reused)
     _assert_same(run_steps(fresh, inputs), run_steps(reused, inputs))
-    fresh_stats = _manager(fresh)._last_buffer.routing_map_gather.stats
-    reused_stats = _manager(reused)._last_buffer.routing_map_gather.stats
+    fresh_stats = _manager(fresh).last_buffer.routing_map_gather.stats
+    reused_stats = _manager(reused).last_buffer.routing_map_gather.stats
     assert fresh_stats.gathers == fresh_stats.allocations == len(inputs)
     assert reused_stats.gathers == len(inputs) and reused_stats.allocations == 1
 
@@ -287,8 +287,8 @@ def deep_ep_buffer_through_the_same_path(rank, world):
     finally:
         del sys.modules["deep_ep"]
     assert _manager(deep_ep).implementation == "deep_ep" and _manager(ours).implementation == "torch"
-    assert type(_manager(deep_ep)._last_buffer) is RecordingBuffer
-    assert type(_manager(ours)._last_buffer) is TorchHybridEPBuffer
+    assert type(_manager(deep_ep).last_buffer) is RecordingBuffer
+    assert type(_manager(ours).last_buffer) is TorchHybridEPBuffer
     # one node, a 32 x 8-byte routing map per rank: deep_ep's persistent all-gather buffer serves
     assert made[-1]["enable_custom_allgather"] is True, made
 

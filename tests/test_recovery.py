@@ -46,7 +46,7 @@ def _layers(world, **options):
     capacity = moe_layer(make_config(world, **FLEX, moe_hybridep_capacity_factor=1.5, **options), experts="grouped")
     blocking = moe_layer(make_config(world, **FLEX), experts="grouped", seed=9)
     copy_weights(capacity, blocking)
-    return capacity, blocking, capacity.token_dispatcher._comm_manager
+    return capacity, blocking, capacity.token_dispatcher.capacity_manager
 
 
 def _assert_same_step(expected, actual):

@@ -258,7 +258,6 @@ class _Runner:
         else:
             _load_weights(stack, self.weights)
         managers = _our_managers(stack)
-        overflow = _count_overflows(managers, self.device)
         timer = DispatchTimer(stack.layers)
         inputs = iter(self.inputs)
         try:
@@ -274,7 +273,7 @@ class _Runner:
                 result.ran_ahead_rounds = [result.runahead["ran_ahead"]]
                 result.dispatches_ahead_rounds = [result.runahead["dispatches_ahead"]]
             if any(m.capacity is not None for m in managers):
-                result.overflows = int(overflow.item())
+                result.overflows = _overflows(managers)
                 result.capacities = [m.capacity for m in managers if m.capacity is not None]
                 result.rows_used = [int(m.rows_used_max) for m in managers if m.rows_used_max is not None]
         finally:
@@ -413,24 +412,14 @@ def _load_weights(stack, weights: dict) -> None:
 def _our_managers(stack) -> list:
     from megatron_ext.dispatcher import HybridEPCapacityManager
 
-    managers = [getattr(layer.token_dispatcher, "_comm_manager", None) for layer in stack.layers]
+    managers = [getattr(layer.token_dispatcher, "capacity_manager", None) for layer in stack.layers]
     return [m for m in managers if isinstance(m, HybridEPCapacityManager)]
 
 
-def _count_overflows(managers, device) -> torch.Tensor:
-    """Add every non-blocking dispatch's overflow flag into one device counter (no host read)."""
-    total = torch.zeros((), dtype=torch.int64, device=device)
-    for manager in managers:
-        check = manager._assert_no_overflow
-
-        def counted(handle, check=check):
-            from megatron_ext.hybridep import overflow_flag
-
-            total.add_(overflow_flag(handle).reshape(()))
-            return check(handle)
-
-        manager._assert_no_overflow = counted
-    return total
+def _overflows(managers) -> int:
+    """Non-blocking dispatches that overflowed, over these layers (one host read)."""
+    counts = [m.overflows for m in managers if m.overflows is not None]
+    return int(torch.stack(counts).sum()) if counts else 0
 
 
 def _dispatch_counts(managers) -> Optional[tuple[int, int]]:
@@ -444,7 +433,7 @@ def _dispatch_counts(managers) -> Optional[tuple[int, int]]:
 
 def _routing_map_bytes(managers) -> Optional[int]:
     """Routing-map bytes allocated so far by the buffers these managers dispatched through."""
-    buffers = {id(m._last_buffer): m._last_buffer for m in managers if m._last_buffer is not None}
+    buffers = {id(m.last_buffer): m.last_buffer for m in managers if m.last_buffer is not None}
     gathers = [getattr(b, "routing_map_gather", None) for b in buffers.values()]
     if not gathers or any(g is None for g in gathers):
         return None  # Megatron's own dispatch, or deep_ep's buffer: not counted here
