@@ -10,7 +10,7 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
 # megatron_ext.patches is installed from patches/ (a package-dir mapping): a link does it here.
-ln -sfn ../patches megatron_ext/patches
+[ -d megatron_ext/patches ] || ln -sfn ../patches megatron_ext/patches  # before 4d06e61 moved it in
 [ -d .baseline ] && ln -sfn ../patches .baseline/megatron_ext/patches
 export PYTHONPATH=$PWD:/tmp/site
 LARGE="--layers 8 --tokens 8192 --hidden 4096 --ffn-hidden 1024 --experts 64 --topk 8"
