@@ -216,7 +216,7 @@ class HybridEPCapacityManager:
             self.stats.blocking_dispatches += 1
             extent = rows.shape[0]  # known on the host once a blocking dispatch returns
             self.blocking_rows_max = max(self.blocking_rows_max, extent)
-            if self.capacity is not None:  # a re-run: its rows against the capacity it outgrew
+            if self.capacity is not None and self.log_metrics:  # a re-run: rows against the capacity outgrown
                 self._record_capacity_use(torch.full((), extent, dtype=torch.float32, device=rows.device))
             if self.options.capacity_factor is not None and self.capacity is None:
                 self._calibrate(extent, rows.device)
