@@ -273,7 +273,8 @@ class HybridEPCapacityManager:
         self.stats.capacities.append(self.capacity)
         if not torch.is_grad_enabled() and not in_backward():
             self._recompute_blocking += 1
-        logger.info(
+        logger.log(
+            self._log_level(logging.INFO),
             "megatron-ext: %s: calibrated %d rows (EP-group max %d) x %s -> capacity %d.",
             self.name,
             rows,
@@ -314,7 +315,8 @@ class HybridEPCapacityManager:
             # does not come back to this layer every step.
             self.calibrated_rows = max(self.calibrated_rows or 0, rows)
             return None
-        logger.warning(
+        logger.log(
+            self._log_level(logging.WARNING),
             "megatron-ext: %s: capacity %s -> %d (%s: %d rows, EP-group max, x %s).",
             self.name,
             self.capacity,
@@ -327,6 +329,11 @@ class HybridEPCapacityManager:
         self.stats.calibrations += 1
         self.stats.capacities.append(capacity)
         return capacity
+
+    def _log_level(self, level: int) -> int:
+        """`level` on the EP group's first rank, DEBUG on the others: what the group shares is
+        logged once per group, not once per rank."""
+        return level if dist.get_rank(self.group) == 0 else logging.DEBUG
 
     def _device(self) -> torch.device:
         if dist.get_backend(self.group) == "nccl":

@@ -106,7 +106,7 @@ def test_patches_table_covers_every_target():
 
 
 def test_apply_replaces_every_target_and_logs_it(originals, replacements, caplog):
-    caplog.set_level(logging.INFO, logger="megatron_ext")
+    caplog.set_level(logging.DEBUG, logger="megatron_ext")
     done = patches.apply()
 
     assert done == ALL_TARGETS
@@ -131,6 +131,10 @@ def test_apply_replaces_every_target_and_logs_it(originals, replacements, caplog
     logged = [r.getMessage() for r in caplog.records if r.name == "megatron_ext"]
     for target in ALL_TARGETS:
         assert f"megatron-ext: patched {target}" in logged
+    info = [r.getMessage() for r in caplog.records if r.name == "megatron_ext" and r.levelno == logging.INFO]
+    assert info == [
+        f"megatron-ext: patched Megatron-Core (arguments, dispatcher, experts, training: {len(ALL_TARGETS)} attributes)"
+    ]  # one line per process
 
 
 def test_apply_twice_is_harmless(originals, replacements):
@@ -148,7 +152,7 @@ def test_apply_twice_is_harmless(originals, replacements):
 
 def test_revert_restores_every_original(originals, replacements, caplog):
     patches.apply()
-    caplog.set_level(logging.INFO, logger="megatron_ext")
+    caplog.set_level(logging.DEBUG, logger="megatron_ext")
 
     restored = patches.revert()
 

@@ -135,6 +135,30 @@ def capacity_use_goes_to_megatrons_moe_metrics(rank, world):
     tracker.clear()
 
 
+def calibration_is_logged_once_per_ep_group(rank, world):
+    import logging
+
+    records = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record)
+
+    logger, handler = logging.getLogger("megatron_ext"), Keep(level=logging.DEBUG)
+    logger.addHandler(handler)
+    previous = logger.level
+    logger.setLevel(logging.DEBUG)
+    try:
+        layer, _, _ = _layers(world)
+        _step(layer, step_inputs(rank, 1, 32, HIDDEN, seed=10))
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(previous)
+    calibrations = [r for r in records if "calibrated" in r.getMessage()]
+    assert len(calibrations) == 1, [r.getMessage() for r in calibrations]
+    assert calibrations[0].levelno == (logging.INFO if rank == 0 else logging.DEBUG)
+
+
 def fail_policy_stops_on_the_device(rank, world):
     from megatron_ext.recovery import OverflowRerun
 
@@ -153,6 +177,7 @@ CHECKS = (
     no_overflow_no_rerun,
     thin_headroom_grows_the_capacity_before_an_overflow,
     capacity_use_goes_to_megatrons_moe_metrics,
+    calibration_is_logged_once_per_ep_group,
     fail_policy_stops_on_the_device,
 )
 

@@ -169,8 +169,11 @@ def apply(*, dispatcher: bool = True, experts: bool = True, arguments: bool = Tr
         original = vars(owner)[attribute]
         setattr(owner, attribute, patch.replacement(original))
         _applied[patch.target] = (owner, attribute, original)
-        logger.info("megatron-ext: patched %s", patch.target)
+        logger.debug("megatron-ext: patched %s", patch.target)
         done.append(patch.target)
+    if done:  # one line per process; the attributes at DEBUG
+        features = sorted({p.feature for p in todo})
+        logger.info("megatron-ext: patched Megatron-Core (%s: %d attributes)", ", ".join(features), len(done))
     return done
 
 
@@ -180,7 +183,9 @@ def revert(targets: Any = None) -> list[str]:
     for name in names:
         owner, attribute, original = _applied.pop(name)
         setattr(owner, attribute, original)
-        logger.info("megatron-ext: restored %s", name)
+        logger.debug("megatron-ext: restored %s", name)
+    if names:
+        logger.info("megatron-ext: restored Megatron-Core (%d attributes)", len(names))
     return names
 
 
