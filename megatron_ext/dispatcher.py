@@ -115,20 +115,20 @@ class HybridEPCapacityManager:
         self.local_calibration_rows: Optional[int] = None  # this rank's rows in the calibration dispatch
         self.calibrated_rows: Optional[int] = None  # their EP-group maximum
         self.stats = DispatchStats()
-        # The most rows a non-blocking dispatch filled since the layer was built: a device int64
-        # scalar, never read here (the bench and the logs read it when they choose).
-        self.rows_used_max: Optional[torch.Tensor] = None
+        # The most rows a non-blocking dispatch filled (device int64 scalar, never read here; None
+        # before the first): since the layer was built, or since megatron_ext.recovery reset it at
+        # the start of a step. The bench reports it; the recovery's headroom check reads it.
+        self.rows_used: Optional[torch.Tensor] = None
+        # Non-blocking dispatches that overflowed since the layer was built (device int64 scalar,
+        # never read here): the bench reports it, the recovery compares it across a step.
+        self.overflows: Optional[torch.Tensor] = None
         self._recompute_blocking = 0  # no-grad calibration forwards still to be replayed blocking
         # Set by megatron_ext.recovery around a training step (--moe-hybridep-overflow-policy rerun):
-        # an overflow is recorded in `overflowed` (device int32 [1], never read here) instead of
-        # stopping on the device, and a re-run dispatches blocking, keeping its largest row count.
+        # an overflow is only counted in `overflows` instead of stopping on the device, and a re-run
+        # dispatches blocking, keeping its largest row count.
         self.record_overflow = False
-        self.overflowed: Optional[torch.Tensor] = None
         self.force_blocking = False
         self.blocking_rows_max = 0
-        # The most rows a non-blocking dispatch filled since the recovery last looked (device int64
-        # scalar; None before the first): its headroom check reads it once per step, with the rest.
-        self.rows_used_window: Optional[torch.Tensor] = None
         # Set by megatron_ext.recovery in Megatron's training loop: each forward dispatch records
         # its rows / capacity in Megatron's MoE metrics (a device add, no read).
         self.log_metrics = False
@@ -136,9 +136,6 @@ class HybridEPCapacityManager:
         self._inflight: Optional[InFlight] = None
         self._num_tokens = 0  # this rank's tokens in the current dispatch, before padding
         self.last_buffer: Any = None  # the buffer of the latest dispatch (its statistics: tests, the bench)
-        # Non-blocking dispatches that overflowed since the layer was built (device int64 scalar,
-        # never read here; the bench reads it after its steps).
-        self.overflows: Optional[torch.Tensor] = None
         self.routing_map: Optional[torch.Tensor] = None
         self.token_probs: Optional[torch.Tensor] = None
         self.dispatched_probs: Optional[torch.Tensor] = None
@@ -224,9 +221,7 @@ class HybridEPCapacityManager:
             self.stats.non_blocking_dispatches += 1
             self._assert_no_overflow(handle)
             used = self.tokens_per_expert.sum()
-            self.rows_used_max = used if self.rows_used_max is None else torch.maximum(self.rows_used_max, used)
-            window = self.rows_used_window
-            self.rows_used_window = used if window is None else torch.maximum(window, used)
+            self.rows_used = used if self.rows_used is None else torch.maximum(self.rows_used, used)
             self._record_capacity_use(used)
         self._inflight = InFlight(buffer, handle, extent, self._num_tokens)
         return rows
@@ -345,8 +340,6 @@ class HybridEPCapacityManager:
         count = overflow.reshape(()).to(torch.int64)
         self.overflows = count if self.overflows is None else self.overflows + count
         if self.record_overflow:
-            seen = overflow.reshape(1).to(torch.int32)
-            self.overflowed = seen.clone() if self.overflowed is None else torch.maximum(self.overflowed, seen)
             return
         factor = self.options.capacity_factor
         torch._assert_async(

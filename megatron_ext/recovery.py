@@ -112,16 +112,17 @@ class OverflowRerun:
         self.resizes = 0  # steps after which thin headroom grew capacities
 
     @staticmethod
-    def _check(managers: list[HybridEPCapacityManager]) -> tuple[bool, bool]:
-        """(any rank's layer overflowed, any rank's layer used more than half its headroom): one
-        all-reduce over every rank and the step's one host read."""
+    def _check(managers: list[HybridEPCapacityManager], overflows_before: list) -> tuple[bool, bool]:
+        """(any rank's layer overflowed since `overflows_before`, any rank's layer used more than
+        half its headroom): one all-reduce over every rank and the step's one host read."""
         flags = torch.zeros(2, dtype=torch.int32, device=_flag_device())
-        for manager in managers:
-            if manager.overflowed is not None:
-                flags[0] = torch.maximum(flags[0], manager.overflowed.to(flags.device).reshape(()))
+        for manager, before in zip(managers, overflows_before, strict=True):
+            if manager.overflows is not None and manager.overflows is not before:
+                new = manager.overflows if before is None else manager.overflows - before
+                flags[0] = torch.maximum(flags[0], (new.to(flags.device) > 0).to(torch.int32))
             threshold = manager.headroom_threshold()
-            if manager.rows_used_window is not None and threshold is not None:
-                thin = (manager.rows_used_window.to(flags.device) > threshold).to(torch.int32)
+            if manager.rows_used is not None and threshold is not None:
+                thin = (manager.rows_used.to(flags.device) > threshold).to(torch.int32)
                 flags[1] = torch.maximum(flags[1], thin)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         overflowed, thin = flags.tolist()
@@ -147,16 +148,17 @@ class OverflowRerun:
         chunks = model if isinstance(model, (list, tuple)) else [model]
         step_input = _replayable(kwargs.get("data_iterator"), kwargs["num_microbatches"])
         kwargs["data_iterator"] = step_input()
+        overflows_before = [manager.overflows for manager in managers]  # counts only grow: a new tensor
         for manager in managers:
-            manager.record_overflow, manager.overflowed, manager.rows_used_window = True, None, None
+            manager.record_overflow, manager.rows_used = True, None
         try:
             result = self.forward_backward_func(**kwargs)
-            overflowed, thin = self._check(managers)
+            overflowed, thin = self._check(managers, overflows_before)
             if not overflowed:
                 if thin:  # grow before an overflow: the layers whose headroom is half used
                     for manager in managers:
-                        if manager.rows_used_window is not None:
-                            manager.grow_capacity(manager.rows_used_window, "headroom half used")
+                        if manager.rows_used is not None:
+                            manager.grow_capacity(manager.rows_used, "headroom half used")
                     self.resizes += 1
                 return result
             self.reruns += 1
@@ -169,7 +171,7 @@ class OverflowRerun:
             if not kwargs.get("forward_only", False):
                 _discard_gradients(chunks)
             for manager in managers:
-                manager.force_blocking, manager.blocking_rows_max, manager.overflowed = True, 0, None
+                manager.force_blocking, manager.blocking_rows_max = True, 0
             kwargs["data_iterator"] = step_input()
             result = self.forward_backward_func(**kwargs)
             for manager in managers:
@@ -177,4 +179,4 @@ class OverflowRerun:
             return result
         finally:
             for manager in managers:
-                manager.record_overflow, manager.force_blocking, manager.overflowed = False, False, None
+                manager.record_overflow, manager.force_blocking = False, False

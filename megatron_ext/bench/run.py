@@ -275,7 +275,7 @@ class _Runner:
             if any(m.capacity is not None for m in managers):
                 result.overflows = _overflows(managers)
                 result.capacities = [m.capacity for m in managers if m.capacity is not None]
-                result.rows_used = [int(m.rows_used_max) for m in managers if m.rows_used_max is not None]
+                result.rows_used = [int(m.rows_used) for m in managers if m.rows_used is not None]
         finally:
             del stack, timer, managers
             _release()
