@@ -117,14 +117,15 @@ def _row_tables(
 
 
 def _token_rows(
-    num_tokens: int, world_size: int, device: torch.device, send_token=None, send_dest=None
+    num_tokens: int, world_size: int, routing_map: torch.Tensor, send_token=None, send_dest=None
 ) -> Optional[torch.Tensor]:
     """Where the fused combine finds each token's partial from each rank in what comes back: rank
     w's partials of all T tokens in turn (non-blocking), or the sent rows, grouped by destination
-    rank (blocking: `send_token`, `send_dest`). None where the fused kernels do not run."""
-    probe = torch.empty(0, device=device)
-    if not fused.enabled_for(probe):
+    rank (blocking: `send_token`, `send_dest`). None where the fused kernels do not run on the
+    routing map's device."""
+    if not fused.enabled_for(routing_map):
         return None
+    device = routing_map.device
     if send_token is None:
         return (
             torch.arange(world_size, device=device) * num_tokens + torch.arange(num_tokens, device=device)[:, None]
@@ -418,7 +419,7 @@ class TorchHybridEPBuffer:
                 pad_multiple=pad_multiple,
                 real_rows=real_rows,
                 slot_rows=slot_rows,
-                token_rows=_token_rows(num_tokens, W, routing_map.device),
+                token_rows=_token_rows(num_tokens, W, routing_map),
             )
 
         # Blocking: the exact layout; one host read of the counts that size the all-to-all.
@@ -459,7 +460,7 @@ class TorchHybridEPBuffer:
             pad_multiple=pad_multiple,
             real_rows=real_rows,
             slot_rows=slot_rows,
-            token_rows=_token_rows(num_tokens, W, routing_map.device, send_token, send_dest),
+            token_rows=_token_rows(num_tokens, W, routing_map, send_token, send_dest),
         )
 
     def _move_rows(self, hidden, probs, handle: HybridEPHandle):
