@@ -6,7 +6,6 @@ dispatcher does): blocking, non-blocking with room, and non-blocking that overfl
 multiples None, 16 and 128; top-k 1 to 8; an expert that receives nothing. Each result of deep_ep
 must equal the torch implementation's bit for bit.
 
-Written for issue 13 on 2026-12-01, when no GPU time was left: it has not run yet.
 """
 
 from __future__ import annotations
@@ -64,13 +63,14 @@ def _inputs(index, case):
     return hidden[0].cuda(), maps[0].cuda(), probs[0].cuda(), weights
 
 
-def _assert_equal(ours, theirs, rows):
+def _assert_equal(ours, theirs, rows, flag=True):
     assert torch.equal(theirs["rows"][:rows], ours["rows"][:rows]), "dispatched rows"
     assert torch.equal(theirs["row_probs"][:rows], ours["row_probs"][:rows]), "dispatched probs"
     assert torch.equal(theirs["counts"], ours["counts"]), (theirs["counts"], ours["counts"])
     for key in ("out", "grad_x", "grad_p"):
         assert torch.equal(theirs[key], ours[key]), key
-    assert int(theirs["flag"]) == int(ours["flag"]), "overflow flag"
+    if flag:  # deep_ep writes the flag in non-blocking dispatches only
+        assert int(theirs["flag"]) == int(ours["flag"]), "overflow flag"
 
 
 @pytest.mark.parametrize("index", range(len(CASES)))
@@ -86,7 +86,7 @@ def test_deep_ep_equals_the_torch_implementation(group, index):
     ours, theirs = run(ours_buf, None), run(theirs_buf, None)
     exact = ours["rows"].shape[0]
     assert theirs["rows"].shape[0] == exact, "blocking dispatches produced different row counts"
-    _assert_equal(ours, theirs, exact)
+    _assert_equal(ours, theirs, exact, flag=False)
 
     align = pad_multiple or 4
     roomy = -(-(exact + 8) // align) * align

@@ -155,7 +155,11 @@ SYNC_FREE = ("capacity+equal", "capacity+equal+check", "capacity+equal+reuse")
 def _modes():
     from megatron_ext.bench.modes import BLOCKING, all_modes
 
-    return [m for m in all_modes(1.5) if m.name != BLOCKING and not m.needs_deep_ep and not m.needs_te]
+    return [
+        m
+        for m in all_modes(1.5)
+        if m.name != BLOCKING and not m.needs_deep_ep and not m.needs_te and not m.overflow_rerun
+    ]
 
 
 class _Summed(torch.nn.Module):

@@ -24,6 +24,9 @@ class Mode:
     experts: 'grouped' (megatron-ext's GroupedMLP, the same in every torch mode, so those rows
     differ in dispatch alone), 'te' (Megatron's TEGroupedMLP, unfused: it reads the counts on the
     host), or 'te-op-fuser' (TEGroupedMLP through TE's op fuser, which takes the counts on the device).
+    overflow_rerun: each step runs through `megatron_ext.recovery.OverflowRerun`, as Megatron's
+    training loop does with `--moe-hybridep-overflow-policy rerun`: the step's end check (one
+    all-reduce, one host read) and the headroom metrics are in the step.
     """
 
     name: str
@@ -33,6 +36,7 @@ class Mode:
     equality: str = "bitwise"
     needs_deep_ep: bool = False
     experts: str = "grouped"
+    overflow_rerun: bool = False
 
     @property
     def needs_te(self) -> bool:
@@ -92,6 +96,13 @@ def all_modes(capacity_factor: float) -> tuple[Mode, ...]:
             dict(torch_impl, **factor, **equal, moe_hybridep_reuse_allgather_buffer=True),
         ),
         Mode(
+            "capacity+equal+rerun",
+            "as capacity+equal, each step through the overflow re-run policy (Megatron's training loop)",
+            (*flex_flags, factor_flag, "--moe-hybridep-equal-token-counts", "--moe-hybridep-overflow-policy rerun"),
+            dict(torch_impl, **factor, **equal, moe_hybridep_overflow_policy="rerun"),
+            overflow_rerun=True,
+        ),
+        Mode(
             "deep_ep",
             "stock Megatron-Core's HybridEP dispatch on deep_ep's kernels",
             flex_flags,
@@ -114,6 +125,29 @@ def all_modes(capacity_factor: float) -> tuple[Mode, ...]:
             ),
             equality="close",
             needs_deep_ep=True,
+        ),
+        Mode(
+            "deep_ep+capacity+equal+reuse+rerun",
+            "as deep_ep+capacity+equal+reuse, each step through the overflow re-run policy",
+            (
+                *flex_flags,
+                "--moe-hybridep-implementation deep_ep",
+                factor_flag,
+                "--moe-hybridep-equal-token-counts",
+                "--moe-hybridep-reuse-allgather-buffer",
+                "--moe-hybridep-overflow-policy rerun",
+            ),
+            dict(
+                FLEX,
+                moe_hybridep_implementation="deep_ep",
+                **factor,
+                **equal,
+                moe_hybridep_reuse_allgather_buffer=True,
+                moe_hybridep_overflow_policy="rerun",
+            ),
+            equality="close",
+            needs_deep_ep=True,
+            overflow_rerun=True,
         ),
         # Transformer Engine's grouped experts (GPU, TE installed); 'close': TE's GEMMs round differently.
         Mode(

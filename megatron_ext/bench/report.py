@@ -67,6 +67,8 @@ def aggregate(mode: Mode, per_rank: list[dict]) -> dict[str, Any]:
         capacities=first["capacities"],
         rows_used=[max(used) for used in zip(*(r.get("rows_used") or [] for r in per_rank))],
         overflows=None if first["overflows"] is None else sum(r["overflows"] or 0 for r in per_rank),
+        reruns=first.get("reruns"),  # decided by one all-reduce: the same on every rank
+        resizes=first.get("resizes"),
         runahead=None
         if not runaheads
         else dict(
@@ -164,7 +166,10 @@ def table(rows: list[dict], cuda: bool) -> str:
             cells.append(_bytes(r.get("forward_memory_bytes")))
         cells.append(_capacity(r))
         cells += [_bytes(r["routing_map_bytes_allocated_per_step"]), _bytes(r["bytes_sent_per_dispatch"])]
-        cells += [_fmt(r["overflows"], "d")]
+        overflows = _fmt(r["overflows"], "d")
+        if r.get("reruns"):
+            overflows += f" ({r['reruns']} re-run)"
+        cells += [overflows]
         lines.append(cells)
     widths = [max(len(str(row[i])) for row in [header, *lines]) for i in range(len(header))]
     render = [

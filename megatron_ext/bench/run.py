@@ -85,6 +85,8 @@ class ModeResult:
     capacities: list[int] = field(default_factory=list)
     rows_used: list[int] = field(default_factory=list)  # per capacity-mode layer: most rows a dispatch filled
     overflows: Optional[int] = None
+    reruns: Optional[int] = None  # overflow_rerun modes: steps re-run blocking after an overflow
+    resizes: Optional[int] = None  # overflow_rerun modes: steps after which thin headroom grew capacities
     runahead: Optional[dict] = None  # the first round's probe
     ran_ahead_rounds: list[bool] = field(default_factory=list)
     dispatches_ahead_rounds: list[int] = field(default_factory=list)
@@ -112,8 +114,9 @@ class ModeResult:
                 setattr(self, name, max(getattr(self, name) or 0, getattr(later, name)))
         if later.rows_used:
             self.rows_used = [max(a, b) for a, b in zip(self.rows_used, later.rows_used)] or later.rows_used
-        if later.overflows is not None:
-            self.overflows = (self.overflows or 0) + later.overflows
+        for name in ("overflows", "reruns", "resizes"):
+            if getattr(later, name) is not None:
+                setattr(self, name, (getattr(self, name) or 0) + getattr(later, name))
 
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -195,6 +198,7 @@ class MoEStack(torch.nn.Module):
         from megatron.core.transformer.moe.moe_layer import MoELayer
 
         submodules = experts_spec(experts, config.num_moe_experts)
+        self.config = config  # where Megatron's get_model_config (and so the overflow recovery) looks
         self.layers = torch.nn.ModuleList(
             MoELayer(config, submodules=submodules, layer_number=i + 1) for i in range(layers)
         )
@@ -229,10 +233,26 @@ class _Runner:
         self.weights: Optional[dict] = None  # the first stack's state, loaded into every other
         self.reference: Optional[list] = None  # blocking's check results, on the host
         self.expert_load: Optional[float] = None
+        self.recovery = None  # an OverflowRerun around `_megatron_step`, for modes with `overflow_rerun`
+        self._after_forward: Callable[[], None] = lambda: None
+        self._stepped: Any = None
 
     # ------------------------------------------------------------- one step
 
     def step(self, stack, x, after_forward: Callable[[], None] = lambda: None):
+        if self.recovery is None:
+            return self._step(stack, x, after_forward)
+        self._after_forward = after_forward
+        self.recovery(model=stack, data_iterator=iter([x]), num_microbatches=1, forward_only=False)
+        return self._stepped
+
+    def _megatron_step(self, *, model, data_iterator, num_microbatches, forward_only=False, **_):
+        """What the recovery wraps: Megatron's forward_backward_func, one micro-batch here."""
+        for _ in range(num_microbatches):
+            self._stepped = self._step(model, next(data_iterator), self._after_forward)
+        return []
+
+    def _step(self, stack, x, after_forward: Callable[[], None]):
         x = x.detach().requires_grad_(True)
         stack.zero_grad(set_to_none=True)
         out = stack(x)
@@ -260,6 +280,10 @@ class _Runner:
         managers = _our_managers(stack)
         timer = DispatchTimer(stack.layers)
         inputs = iter(self.inputs)
+        if mode.overflow_rerun:
+            from megatron_ext.recovery import OverflowRerun
+
+            self.recovery = OverflowRerun(self._megatron_step)
         try:
             self._check(stack, mode, result, inputs)
             for _ in range(self.sizes.warmup):
@@ -276,7 +300,10 @@ class _Runner:
                 result.overflows = _overflows(managers)
                 result.capacities = [m.capacity for m in managers if m.capacity is not None]
                 result.rows_used = [int(m.rows_used) for m in managers if m.rows_used is not None]
+            if self.recovery is not None:
+                result.reruns, result.resizes = self.recovery.reruns, self.recovery.resizes
         finally:
+            self.recovery = None
             del stack, timer, managers
             _release()
         return result

@@ -1,0 +1,186 @@
+"""Megatron-Core MoE layers dispatching through DeepEP's HybridEP kernels, on one GPU (NCCL, bf16).
+
+Skipped, with the reason, where `deep_ep.HybridEPBuffer` does not import. A stack of MoE layers with
+`--moe-hybridep-implementation deep_ep` in capacity mode (factors 1.0, 1.5, 2.0; equal counts,
+their device check, the reused all-gather buffer; MoE, full and moe_act recompute) against the same
+stack dispatching blocking on deep_ep, and against the torch implementation's blocking dispatch:
+outputs, input and parameter gradients bit for bit. After calibration the equal-count modes run
+under the sync guard and run ahead of a sleeping GPU. A too-small capacity stops the process on the
+device with the layer's message.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from megatron_ext.options import deep_ep_import_error
+from tests.megatron_env import FLEX, copy_weights, run_steps
+
+pytestmark = pytest.mark.gpu
+
+LAYERS, TOKENS, HIDDEN, EXPERTS, TOPK, FFN = 2, 1024, 1024, 16, 4, 512
+GPU = dict(
+    hidden_size=HIDDEN,
+    num_moe_experts=EXPERTS,
+    moe_router_topk=TOPK,
+    moe_ffn_hidden_size=FFN,
+    params_dtype=torch.bfloat16,
+    bf16=True,
+    use_cpu_initialization=False,
+)
+DEEP_EP = dict(FLEX, moe_hybridep_implementation="deep_ep")
+TORCH = dict(FLEX, moe_hybridep_implementation="torch")
+EQUAL = dict(moe_hybridep_equal_token_counts=True)
+MOE_RECOMPUTE = dict(recompute_granularity="selective", recompute_modules=["moe"])
+MOE_ACT = dict(moe_grouped_gemm=True, recompute_granularity="selective", recompute_modules=["moe_act"])
+
+# name -> (capacity factor, config overrides, wrap: None or "full" (checkpoint each layer))
+VARIANTS = {
+    "capacity-1.0+equal": (1.0, EQUAL, None),
+    "capacity-1.5": (1.5, {}, None),
+    "capacity-1.5+equal+check": (1.5, dict(EQUAL, moe_hybridep_verify_equal_token_counts=True), None),
+    "capacity-1.5+equal+reuse": (1.5, dict(EQUAL, moe_hybridep_reuse_allgather_buffer=True), None),
+    "capacity-2.0+equal+reuse": (2.0, dict(EQUAL, moe_hybridep_reuse_allgather_buffer=True), None),
+    "capacity-1.5+equal+moe-recompute": (1.5, dict(EQUAL, **MOE_RECOMPUTE), None),
+    "capacity-1.5+equal+full-recompute": (1.5, EQUAL, "full"),
+    "capacity-1.5+equal+moe_act-recompute": (1.5, dict(EQUAL, **MOE_ACT), None),
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _needs_deep_ep():
+    missing = deep_ep_import_error()
+    if missing is not None:
+        pytest.skip(f"deep_ep's HybridEPBuffer does not import: {missing}")
+
+
+class _Summed(torch.nn.Module):
+    """x + the sum of the layers on x (routing in one layer never depends on another's output)."""
+
+    def __init__(self, layers, wrap=None):
+        super().__init__()
+        self.layers = layers
+        self.wrap = wrap
+
+    def forward(self, x):
+        if self.wrap == "full":  # what full recompute does to a transformer layer
+            from megatron.core import tensor_parallel
+
+            return x + sum(tensor_parallel.checkpoint(lambda h, m=m: m(h)[0], False, x) for m in self.layers)
+        return x + sum(layer(x)[0] for layer in self.layers)
+
+
+def _stack(overrides, wrap=None):
+    from tests.megatron_env import make_config, moe_layer
+
+    experts = "spec" if overrides.get("moe_grouped_gemm") else "grouped"  # moe_act: Megatron's spec, swapped
+    config = make_config(1, **GPU, **overrides)
+    layers = [moe_layer(config, experts=experts, seed=70 + i) for i in range(LAYERS)]
+    return _Summed(torch.nn.ModuleList(layers), wrap)
+
+
+def _inputs(steps, repeat_first=False):
+    generator = torch.Generator(device="cuda").manual_seed(3)
+    shape = (TOKENS, 1, HIDDEN)
+    first = torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=generator)
+    rest = [torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=generator) for _ in range(steps - 1)]
+    # Capacity factor 1.0 leaves no room above the calibrated rows: later steps feed the same tokens.
+    return [first] * steps if repeat_first else [first, *rest]
+
+
+def _assert_same(expected, actual, what):
+    for step, ((out_a, dx_a, g_a), (out_b, dx_b, g_b)) in enumerate(zip(expected, actual, strict=True)):
+        assert torch.equal(out_a, out_b), f"{what}, step {step}: output"
+        assert torch.equal(dx_a, dx_b), f"{what}, step {step}: input grad"
+        assert g_a.keys() == g_b.keys()
+        for name in g_a:
+            assert torch.equal(g_a[name], g_b[name]), f"{what}, step {step}: grad {name}"
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_deep_ep_capacity_mode_equals_blocking(megatron, variant):
+    from megatron_ext.sync import forbid_host_sync, runahead_probe
+
+    factor, overrides, wrap = VARIANTS[variant]
+    blocking_deep_ep = _stack(DEEP_EP)
+    blocking_torch = _stack(TORCH)
+    stack = _stack(dict(DEEP_EP, moe_hybridep_capacity_factor=factor, **overrides), wrap)
+    copy_weights(blocking_deep_ep, blocking_torch)
+    copy_weights(blocking_deep_ep, stack)
+    inputs = _inputs(4, repeat_first=factor == 1.0)
+
+    expected = run_steps(blocking_deep_ep, inputs)
+    _assert_same(run_steps(blocking_torch, inputs), expected, "deep_ep blocking against torch blocking")
+    actual = run_steps(stack, inputs[:1])  # calibration
+    if overrides.get("moe_hybridep_equal_token_counts"):
+        with forbid_host_sync():
+            actual += run_steps(stack, inputs[1:])
+    else:
+        actual += run_steps(stack, inputs[1:])
+    torch.cuda.synchronize()
+    _assert_same(expected, actual, f"deep_ep {variant} against deep_ep blocking")
+
+    for layer in stack.layers:
+        manager = layer.token_dispatcher.capacity_manager
+        assert manager.stats.calibrations == 1, manager.stats
+        assert manager.stats.non_blocking_dispatches >= len(inputs) - 1, manager.stats
+        assert int(manager.overflows) == 0
+    if overrides.get("moe_hybridep_equal_token_counts"):
+        probe = runahead_probe(lambda: run_steps(stack, inputs[:1]))
+        print(f"\ndeep_ep {variant}: {probe}")
+        assert not probe.waited, probe
+
+
+def test_deep_ep_blocking_makes_the_host_wait(megatron):
+    from megatron_ext.sync import runahead_probe
+
+    stack = _stack(DEEP_EP)
+    inputs = _inputs(1)
+    probe = runahead_probe(lambda: run_steps(stack, inputs))
+    assert probe.waited, probe
+
+
+OVERFLOW_SCRIPT = textwrap.dedent(
+    """
+    import os, torch, torch.distributed as dist
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29534", RANK="0", WORLD_SIZE="1")
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl")
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    parallel_state.initialize_model_parallel()
+    model_parallel_cuda_manual_seed(1)
+    import megatron_ext.patches
+    megatron_ext.patches.apply(training=False)
+    from tests.megatron_env import make_config, moe_layer
+    from tests.test_gpu_deep_ep_layer import DEEP_EP, GPU, HIDDEN, TOKENS
+    config = make_config(1, **GPU, **DEEP_EP, moe_hybridep_capacity_factor=1.0)
+    layer = moe_layer(config, experts="grouped")
+    x = torch.randn(TOKENS, 1, HIDDEN, device="cuda", dtype=torch.bfloat16)
+    layer(x)[0].sum().backward()
+    layer.token_dispatcher.capacity_manager.capacity = 16
+    layer(x)[0].sum().backward()
+    torch.cuda.synchronize()
+    print("NO FAILURE")
+    """
+)
+
+
+def test_deep_ep_overflow_stops_on_the_device_with_the_layers_message():
+    result = subprocess.run(
+        [sys.executable, "-c", OVERFLOW_SCRIPT],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )
+    output = result.stdout + result.stderr
+    print("\n".join(line for line in output.splitlines() if "megatron-ext" in line or "Assertion" in line))
+    assert result.returncode != 0 and "NO FAILURE" not in output
+    assert "capacity of 16 rows" in output, "the device-side assert did not carry the layer's message"
