@@ -80,6 +80,10 @@ def _report(what: str) -> None:
     _active[-1].record(what)
 
 
+def _is_sync_debug(warning: warnings.WarningMessage) -> bool:
+    return "synchronizing CUDA operation" in str(warning.message)
+
+
 def _wrap(owner: object, name: str, label: str) -> None:
     original = getattr(owner, name)
     _originals[(owner, name)] = original
@@ -88,9 +92,16 @@ def _wrap(owner: object, name: str, label: str) -> None:
         _report(label)
         _state.inside = True
         try:
-            return original(*args, **kwargs)
+            # The read is counted once, here: CUDA's sync-debug warning for the same read is dropped.
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                result = original(*args, **kwargs)
         finally:
             _state.inside = False
+        for warning in caught:
+            if not _is_sync_debug(warning):
+                warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
+        return result
 
     trapped.__name__ = name
     trapped.__wrapped__ = original
@@ -185,7 +196,7 @@ def _guard(raise_on_sync: bool) -> Iterator[SyncLog]:
             warnings.simplefilter("always")
             yield guard.log
         for warning in caught:
-            if "synchronizing CUDA operation" in str(warning.message):
+            if _is_sync_debug(warning):
                 where = f"{warning.filename}:{warning.lineno}"
                 guard.log.events.append(SyncEvent(f"CUDA sync-debug: {warning.message} ({where})"))
             else:

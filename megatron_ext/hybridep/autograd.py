@@ -1,8 +1,8 @@
 """Autograd for any HybridEP buffer (ours or deep_ep's): dispatch and combine as each other's backward.
 
 The backward of dispatch is combine with the same handle; the backward of combine is dispatch
-with the same handle and the same `num_permuted_tokens`, non-blocking when that is a host int, so
-a capacity-mode step has no host read in its backward either.
+with the same handle, non-blocking, sized by the forward's `num_permuted_tokens` (the rows' count
+after a blocking dispatch), so no step has a host read in its backward.
 """
 
 from __future__ import annotations
@@ -47,7 +47,10 @@ class _Combine(torch.autograd.Function):
     def forward(ctx, rows, buffer, handle, num_permuted_tokens, pad_multiple):
         tokens, _ = buffer.combine_with_unpermute(hidden=rows, handle=handle, pad_multiple=pad_multiple)
         ctx.buffer, ctx.handle = buffer, handle
-        ctx.num_permuted_tokens, ctx.pad_multiple = num_permuted_tokens, pad_multiple
+        # After a blocking dispatch the rows' count is a host int already: the backward dispatches
+        # with it (deep_ep's buffer refuses a handle with num_permuted_tokens=None).
+        ctx.num_permuted_tokens = rows.shape[0] if num_permuted_tokens is None else num_permuted_tokens
+        ctx.pad_multiple = pad_multiple
         return tokens
 
     @staticmethod
@@ -57,7 +60,7 @@ class _Combine(torch.autograd.Function):
             handle=ctx.handle,
             num_permuted_tokens=ctx.num_permuted_tokens,
             pad_multiple=ctx.pad_multiple,
-            non_blocking=isinstance(ctx.num_permuted_tokens, int),
+            non_blocking=True,
         )
         return grad_rows, None, None, None, None
 
@@ -94,7 +97,7 @@ def combine(
 ) -> torch.Tensor:
     """Differentiable `buffer.combine_with_unpermute`: `[P, H]` rows back to `[T, H]` tokens.
 
-    `num_permuted_tokens` is the dispatch's host int capacity (None after a blocking dispatch);
-    the backward dispatches with it, non-blocking when it is an int.
+    `num_permuted_tokens` is the dispatch's host int capacity (None after a blocking dispatch: the
+    rows' count is used); the backward dispatches non-blocking with it.
     """
     return _Combine.apply(rows, buffer, handle, num_permuted_tokens, pad_multiple)
