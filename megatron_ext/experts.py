@@ -206,6 +206,24 @@ def _stack_per_expert(module: _ExpertLinear, state_dict: dict, prefix: str, *_) 
         state_dict.pop(f"{prefix}_extra_state{i}", None)
 
 
+def _from_sequential_mlp(module: GroupedMLP, state_dict: dict, prefix: str, *_) -> None:
+    """Rename SequentialMLP's per-expert keys (Megatron's local spec, `local_experts.{i}.linear_fcN.weight`,
+    what a run without capacity mode saves in `--ckpt-format torch`) to ours (`linear_fcN.weight{i}`),
+    so such a checkpoint loads instead of being skipped by a non-strict load. (The distributed
+    checkpoint formats need no renaming: both write the same global tensors.)"""
+    for linear in ("linear_fc1", "linear_fc2"):
+        renamed = False
+        for i in range(module.num_local_experts):
+            theirs = f"{prefix}local_experts.{i}.{linear}."
+            for name in ("weight", "bias"):
+                if theirs + name in state_dict:
+                    state_dict[f"{prefix}{linear}.{name}{i}"] = state_dict.pop(theirs + name)
+                    renamed = True
+            state_dict.pop(theirs + "_extra_state", None)  # the parallel linears': nothing we keep
+        if renamed:  # ours is ignored on load, but a strict load asks for it
+            state_dict.setdefault(f"{prefix}{linear}._extra_state", None)
+
+
 class GroupedMLP(MegatronModule):
     """The L local experts of one MoE layer, as two grouped GEMMs over device-side expert offsets.
 
@@ -260,6 +278,7 @@ class GroupedMLP(MegatronModule):
         # (gated, activation code) when the fused path computes this MLP, else None.
         self._fused_activation = self._fused_activation_of(config)
         self._capacity_mode = getattr(config, "moe_hybridep_capacity_factor", None) is not None
+        self.register_load_state_dict_pre_hook(_from_sequential_mlp)
 
     @staticmethod
     def _fused_activation_of(config: TransformerConfig):

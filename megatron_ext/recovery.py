@@ -97,6 +97,29 @@ def _discard_gradients(chunks: Iterable[torch.nn.Module]) -> None:
     clear_aux_losses_tracker()
 
 
+def _resumed_iteration() -> int:
+    """The iteration Megatron's training loop resumed from (0: a fresh run, or no Megatron args)."""
+    try:
+        from megatron.training.global_vars import get_args
+
+        return int(getattr(get_args(), "iteration", 0) or 0)
+    except (ImportError, AssertionError, AttributeError):  # no training loop, or its args unset
+        return 0
+
+
+def _say_capacities_are_relearned(managers: list[HybridEPCapacityManager]) -> None:
+    """Capacities are not stored in checkpoints: a resumed run learns them again, and says so."""
+    iteration = _resumed_iteration()
+    if iteration > 0 and any(m.capacity is None for m in managers) and dist.get_rank() == 0:
+        logger.info(
+            "megatron-ext: resumed at iteration %d: the capacity of each of the %d capacity-mode MoE layers is "
+            "learned again by one blocking dispatch in this step (capacities are not stored in checkpoints); "
+            "the steps are the same as blocking dispatch gives, whatever the capacity.",
+            iteration,
+            len(managers),
+        )
+
+
 def _flag_device() -> torch.device:
     if dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
@@ -110,6 +133,7 @@ class OverflowRerun:
         self.forward_backward_func = forward_backward_func
         self.reruns = 0  # steps re-run since this wrapper was made
         self.resizes = 0  # steps after which thin headroom grew capacities
+        self._first_step = True
 
     @staticmethod
     def _check(managers: list[HybridEPCapacityManager], overflows_before: list) -> tuple[bool, bool]:
@@ -141,6 +165,9 @@ class OverflowRerun:
             return self.forward_backward_func(*args, **kwargs)
         _capacity_metrics = True
         managers = capacity_managers(model)
+        if self._first_step:
+            self._first_step = False
+            _say_capacities_are_relearned(managers)
         for manager in managers:
             manager.log_metrics = True
         if policy != "rerun":

@@ -5,6 +5,7 @@ import torch.distributed as dist
 # Modules whose tests spawn ranks or processes: `pytest -m "not slow"` leaves them out.
 SLOW_MODULES = {
     "test_bench",
+    "test_checkpoint",
     "test_examples",
     "test_interpreter",
     "test_launch",
