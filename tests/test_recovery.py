@@ -172,7 +172,57 @@ def fail_policy_stops_on_the_device(rank, world):
     assert runner.reruns == 0
 
 
+def routing_shift_mid_training_is_survived_bitwise(rank, world):
+    """Fault injection: from step 3 on, every token is pushed towards experts 0 and 1 (both on the
+    first rank), as a router drifting during training would. The run goes on; every step it keeps
+    equals blocking's bitwise; the shifted step overflows on more than one rank only (one rank holds
+    every row then), is re-run once, and its layer's capacity grows; the capacity-use metric shows
+    the overflow (above 1) and then the room again (at most 1); each step reads the host once,
+    except the re-run step and the growth after it."""
+    from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+
+    from megatron_ext.dispatcher import CAPACITY_USE_METRIC
+    from megatron_ext.recovery import OverflowRerun
+    from megatron_ext.sync import count_host_syncs
+
+    layer, blocking, manager = _layers(world)
+    runner = OverflowRerun(_forward_backward)
+    inputs = step_inputs(rank, 2 + 3 * MICROBATCHES, 32, HIDDEN, seed=12)
+    router = layer.router.weight.detach()
+    push = 4.0 * (router[0] / router[0].norm() + router[1] / router[1].norm())
+    shifted = [x + push.to(x.dtype).view(1, 1, -1) for x in inputs[2:]]
+    steps = [inputs[:1], inputs[1:2]] + [shifted[i : i + MICROBATCHES] for i in range(0, len(shifted), MICROBATCHES)]
+    tracker = get_moe_metrics_tracker()
+    capacities, reads, use = [], [], []
+    for batches in steps:
+        tracker.clear()
+        with count_host_syncs() as syncs:
+            actual = _step(layer, batches, runner)
+        reads.append(syncs.count)
+        _assert_same_step(_step(blocking, batches), actual)
+        capacities.append(manager.capacity)
+        recorded = tracker.metrics[CAPACITY_USE_METRIC].values if CAPACITY_USE_METRIC in tracker.metrics else None
+        # The tracker sums a layer's micro-batches (Megatron's report divides by their number).
+        use.append(None if recorded is None or recorded.numel() == 0 else float(recorded.max()) / len(batches))
+    tracker.clear()
+    counts = manager.tokens_per_expert.float()
+    assert counts[:2].sum() >= 0.5 * counts.sum() or rank != 0, "the push did not move the tokens"
+    if world == 1:  # one rank receives every row however they are routed: nothing to outgrow
+        assert runner.reruns == 0 and capacities[1:] == [capacities[1]] * (len(steps) - 1), capacities
+        assert reads[1:] == [1] * (len(steps) - 1), reads
+        return
+    assert runner.reruns == 1, runner.reruns
+    assert capacities[2] > capacities[1] and capacities[3] == capacities[2], capacities
+    assert use[3] <= 1.0, use  # room again after the growth
+    if rank == 0:  # the rank that received every row: its rows outgrew the capacity in the re-run
+        assert use[2] > 1.0, use
+    assert reads[1] == 1 and reads[3] == 1, reads  # the step's one read, none per layer
+    assert manager.stats.calibrations == 2  # the calibration and the growth, on every rank alike
+    assert (int(manager.overflows) >= 1) == (rank == 0), int(manager.overflows)
+
+
 CHECKS = (
+    routing_shift_mid_training_is_survived_bitwise,
     overflow_reruns_the_step_blocking_and_grows_the_capacity,
     no_overflow_no_rerun,
     thin_headroom_grows_the_capacity_before_an_overflow,
