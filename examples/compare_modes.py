@@ -3,6 +3,7 @@
 
     python examples/compare_modes.py -- --train-iters 300             # smoke_1gpu.sh, one GPU
     python examples/compare_modes.py --script examples/ep8_single_node.sh --repeat 2 -- --train-iters 200
+    python examples/compare_modes.py --skewed 50 -- --train-iters 100   # routing shifted at iteration 50
 
 Each run's log goes to --log-dir. Per iteration, the lm loss, load-balancing loss and grad norm
 must be identical as printed in both modes (capacity mode computes what blocking computes);
@@ -12,6 +13,12 @@ the machine's speed reaches both, and every run must log the same values.
 
 Exits 0 when every run finished and every logged value matches; 1 otherwise, naming the first
 iteration and value that differ; 2 on bad arguments.
+
+With --skewed ITER both modes push every router towards expert 0 from iteration ITER on, as a
+drifting router would after capacity mode learned its capacities: where an expert-parallel rank
+then receives more rows than its capacity, Megatron's training loop re-runs the step blocking
+(`--moe-hybridep-overflow-policy rerun`) and the log must still match blocking's at every
+iteration. (On one GPU a rank receives every row whatever the routing: nothing overflows.)
 """
 
 from __future__ import annotations
@@ -73,11 +80,24 @@ def main(argv=None) -> int:
     p.add_argument("--repeat", type=int, default=1, help="runs per mode, alternating (default 1)")
     p.add_argument("--skip-iters", type=int, default=10, help="iterations left out of the step time (default 10)")
     p.add_argument("--log-dir", default="compare-logs", help="where each run's log goes (default ./compare-logs)")
+    p.add_argument(
+        "--skewed",
+        type=int,
+        default=None,
+        metavar="ITER",
+        help="the skewed variant: both modes shift every router towards expert 0 from iteration ITER on "
+        "(pretrain_moe.py --example-shift-routing-at ITER), after capacity mode learned its capacities; "
+        "the logged values must still match",
+    )
     p.add_argument("extra", nargs=argparse.REMAINDER, help="after --: arguments for the script")
     args = p.parse_args(argv)
     extra = args.extra[1:] if args.extra[:1] == ["--"] else args.extra
     if args.repeat < 1 or args.skip_iters < 0:
         p.error("--repeat must be at least 1 and --skip-iters at least 0")
+    if args.skewed is not None:
+        if args.skewed < 2:
+            p.error(f"--skewed {args.skewed}: shift after the first iteration (which learns the capacities): 2 or more")
+        extra = [*extra, "--example-shift-routing-at", str(args.skewed)]
     if not os.path.isfile(args.script):
         p.error(f"--script {args.script}: no such file")
     os.makedirs(args.log_dir, exist_ok=True)

@@ -77,6 +77,7 @@ from megatron_ext.options import (
 from megatron_ext.patches._moe_layer import select_experts
 
 DRY_RUN = "--megatron-ext-dry-run"
+SHIFT_AT, SHIFT_BIAS = "--example-shift-routing-at", "--example-shift-routing-bias"
 # What the dry run tells validate_args when it asks the GPU (it never asks the real one).
 ASSUMED_COMPUTE_CAPABILITY = (9, 0)
 
@@ -87,6 +88,24 @@ def add_arguments(parser):
         DRY_RUN,
         action="store_true",
         help="Parse and validate the flags, print what would be built, and exit (no GPU needed).",
+    )
+    group.add_argument(
+        SHIFT_AT,
+        type=int,
+        default=None,
+        metavar="ITER",
+        help="Fault injection (compare_modes.py --skewed): from iteration ITER on, every MoE router adds "
+        f"{SHIFT_BIAS} to expert 0's logit, as a router drifting in training would, so that expert's load "
+        "jumps after the capacity was learned. Capacity mode must re-run the overflowing step and log "
+        "what blocking logs.",
+    )
+    group.add_argument(
+        SHIFT_BIAS,
+        type=float,
+        default=0.3,
+        help=f"The logit added by {SHIFT_AT} (default 0.3: an estimate that about doubles expert 0's share "
+        "of top-2 of 8 at this example's start, router logits of std ~0.45; the logged load-balancing "
+        "loss shows what it did).",
     )
     # Adds megatron-ext's flags only where the patch has not (it checks); always adds their checks.
     return escape_stray_percent(megatron_ext.arguments.extra_args_provider(parser))
@@ -150,7 +169,7 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
     args = get_args()
     config = config or core_transformer_config_from_args(args)
     print_rank_0(f"building GPT model with {config.num_moe_experts} experts ...")
-    return GPTModel(
+    model = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec(args, config),
         vocab_size=args.padded_vocab_size,
@@ -166,6 +185,30 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
         vp_stage=vp_stage,
         pg_collection=pg_collection,
     )
+    shift_routing(model, args)
+    return model
+
+
+def shift_routing(model, args) -> None:
+    """--example-shift-routing-at: from that iteration on, each router's top-k sees expert 0's logit
+    raised by --example-shift-routing-bias (a device-side add: no host read)."""
+    if args.example_shift_routing_at is None:
+        return
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    for router in (m for m in model.modules() if isinstance(m, TopKRouter)):
+        router.routing = _shifted(router.routing, args.example_shift_routing_at, args.example_shift_routing_bias)
+
+
+def _shifted(routing, start: int, bias: float):
+    def shifted_routing(logits, *rest, **kwargs):
+        if get_args().curr_iteration >= start:
+            raise_expert_0 = torch.zeros(logits.shape[-1], dtype=logits.dtype, device=logits.device)
+            raise_expert_0[:1].fill_(bias)  # a kernel argument: no host-to-device copy
+            logits = logits + raise_expert_0
+        return routing(logits, *rest, **kwargs)
+
+    return shifted_routing
 
 
 def loss_func(loss_mask, output_tensor):

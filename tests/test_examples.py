@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples"
@@ -207,6 +208,7 @@ def test_help_lists_the_dry_run_and_megatron_ext_flags(dry_runs):
 
     assert result.returncode == 0, result.stderr[-3000:]
     assert DRY_RUN_FLAG in result.stdout and FACTOR in result.stdout and EQUAL in result.stdout
+    assert "--example-shift-routing-at" in result.stdout
 
 
 @pytest.mark.parametrize(
@@ -249,6 +251,7 @@ echo "------------------------ arguments ------------------------"
 echo "  global_batch_size ............................... 2"
 echo "  seq_length ...................................... 512"
 echo "  world_size ...................................... 2"
+echo "script arguments: $*"
 for i in 1 2 3 4; do
   ms=100.0; [[ $MODE == capacity ]] && ms=80.0
   loss=5.12345${i}E+00; [[ $MODE == capacity && ${DIFFER_AT:-0} == $i ]] && loss=5.12346${i}E+00
@@ -261,11 +264,11 @@ exit ${EXIT_CODE:-0}
 """
 
 
-def _compare(tmp_path, **env):
+def _compare(tmp_path, *options, **env):
     script = tmp_path / "fake.sh"
     script.write_text(FAKE_TRAINING)
     command = [sys.executable, str(EXAMPLES / "compare_modes.py"), "--script", str(script), "--skip-iters", "1"]
-    command += ["--log-dir", str(tmp_path / "logs"), "--repeat", "2", "--", "--train-iters", "4"]
+    command += ["--log-dir", str(tmp_path / "logs"), "--repeat", "2", *options, "--", "--train-iters", "4"]
     return subprocess.run(command, capture_output=True, text=True, env=script_env(**env), timeout=60)
 
 
@@ -295,3 +298,38 @@ def test_compare_modes_names_the_first_loss_that_differs(tmp_path):
 def test_compare_modes_fails_when_a_run_fails(tmp_path):
     result = _compare(tmp_path, EXIT_CODE="3")
     assert result.returncode == 1 and "FAILED: MODE=blocking exited 3" in result.stdout, result.stdout
+
+
+def test_compare_modes_skewed_shifts_the_routing_in_both_modes(tmp_path):
+    result = _compare(tmp_path, "--skewed", "3")
+    assert result.returncode == 0 and "IDENTICAL" in result.stdout, result.stdout + result.stderr
+    logs = sorted((tmp_path / "logs").iterdir())
+    assert len(logs) == 4
+    for log in logs:
+        assert "script arguments: --train-iters 4 --example-shift-routing-at 3" in log.read_text(), log.name
+
+
+def test_compare_modes_skewed_refuses_the_calibration_iteration(tmp_path):
+    result = _compare(tmp_path, "--skewed", "1")
+    assert result.returncode == 2 and "--skewed 1" in result.stderr, result.stderr
+
+
+def test_the_routing_shift_raises_expert_0_from_its_iteration_on(monkeypatch):
+    import importlib.util
+    from types import SimpleNamespace
+
+    spec = importlib.util.spec_from_file_location("pretrain_moe_example", PRETRAIN)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    args = SimpleNamespace(curr_iteration=0)
+    monkeypatch.setattr(example, "get_args", lambda: args)
+    seen = []
+    routing = example._shifted(lambda logits, *rest: seen.append(logits.clone()) or logits, start=2, bias=0.3)
+    logits = torch.randn(5, 4)
+    for iteration in (1, 2, 3):
+        args.curr_iteration = iteration
+        routing(logits)
+    assert torch.equal(seen[0], logits)
+    for shifted in seen[1:]:
+        assert torch.equal(shifted[:, 1:], logits[:, 1:])
+        assert torch.equal(shifted[:, 0], logits[:, 0] + 0.3)
