@@ -4,5 +4,5 @@
 # Sets none of megatron-ext's Megatron flags: it exercises the PyTorch HybridEP buffer alone.
 set -euo pipefail
 GPUS=${GPUS:-$(nvidia-smi -L | wc -l)}
-torchrun --standalone --nproc-per-node "$GPUS" -m megatron_ext.roundtrip --backend nccl \
+torchrun --standalone --nproc-per-node "$GPUS" -m megatron_ext.tooling.roundtrip --backend nccl \
   --tokens "${TOKENS:-4096}" --hidden "${HIDDEN:-4096}" --experts "${EXPERTS:-64}" --topk "${TOPK:-8}" "$@"

@@ -1,6 +1,6 @@
 """Real Megatron-Core MoE layers on CPU gloo ranks, for tests.
 
-`megatron_ext.patches.cpu.use_cpu_ranks()` stands in Megatron's CUDA-only streams, device query,
+`megatron_ext.tooling.cpu_ranks.use_cpu_ranks()` stands in Megatron's CUDA-only streams, device query,
 host copy and CUDA RNG state with CPU ones (the bench uses the same).
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_ext.patches.cpu import use_cpu_ranks
+from megatron_ext.tooling.cpu_ranks import use_cpu_ranks
 
 
 def on_gpu() -> bool:

@@ -269,8 +269,8 @@ def test_te_per_expert_gradients_stack_under_grouped_mlp_names():
 
 
 def test_runahead_counts_the_dispatches_the_host_passed_while_the_gpu_slept(monkeypatch):
-    from megatron_ext import sync
     from megatron_ext.bench import report, run
+    from megatron_ext.tooling import sync
 
     start = 1000.0
     probe = sync.RunAhead(host_idle_ms=40.0, host_behind_sleep_ms=330.0, gpu_sleep_ms=300.0, behind_started=start)

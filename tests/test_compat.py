@@ -51,7 +51,7 @@ def test_moved_symbol_names_symbol_and_version(dotted):
 
 def test_importing_megatron_ext_does_not_import_megatron():
     code = (
-        "import sys, megatron_ext, megatron_ext.hybridep, megatron_ext.sync, megatron_ext.patches; "
+        "import sys, megatron_ext, megatron_ext.hybridep, megatron_ext.tooling.sync, megatron_ext.patches; "
         "print(sorted(m for m in sys.modules if m == 'megatron' or m.startswith('megatron.')))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

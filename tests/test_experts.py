@@ -19,7 +19,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_ext import fused
 from megatron_ext.experts import GroupedMLP
-from megatron_ext.sync import forbid_host_sync
+from megatron_ext.tooling.sync import forbid_host_sync
 
 L, H, FFN = 4, 16, 24
 COUNTS = [5, 0, 7, 3]  # an empty expert in the middle

@@ -25,7 +25,7 @@ def group(tmp_path_factory):
 @pytest.mark.parametrize("index", range(len(CASES)))
 def test_matches_reference_and_nonblocking_is_bitwise_blocking(group, index):
     from megatron_ext.hybridep import TorchHybridEPBuffer
-    from megatron_ext.sync import forbid_host_sync
+    from megatron_ext.tooling.sync import forbid_host_sync
 
     num_tokens, num_experts, topk, pad_multiple, dtype, _ = CASES[index]
     gen = torch.Generator().manual_seed(500 + index)
@@ -64,7 +64,7 @@ def _step(buf, x, m, p, capacity):
 
 def test_nonblocking_step_runs_ahead_and_blocking_waits(group):
     from megatron_ext.hybridep import TorchHybridEPBuffer
-    from megatron_ext.sync import runahead_probe
+    from megatron_ext.tooling.sync import runahead_probe
 
     T, H, E, K = 8192, 2048, 64, 8
     torch.manual_seed(0)

@@ -106,7 +106,7 @@ def _assert_same(expected, actual, what):
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_deep_ep_capacity_mode_equals_blocking(megatron, variant):
-    from megatron_ext.sync import forbid_host_sync, runahead_probe
+    from megatron_ext.tooling.sync import forbid_host_sync, runahead_probe
 
     factor, overrides, wrap = VARIANTS[variant]
     # The reference recomputes as the variant does: a checkpoint changes the order in which the
@@ -142,7 +142,7 @@ def test_deep_ep_capacity_mode_equals_blocking(megatron, variant):
 
 
 def test_deep_ep_blocking_makes_the_host_wait(megatron):
-    from megatron_ext.sync import runahead_probe
+    from megatron_ext.tooling.sync import runahead_probe
 
     stack = _stack(DEEP_EP)
     inputs = _inputs(1)

@@ -59,7 +59,7 @@ def _inputs(steps):
 
 
 def test_capacity_stack_equals_blocking_without_host_syncs(megatron):
-    from megatron_ext.sync import forbid_host_sync
+    from megatron_ext.tooling.sync import forbid_host_sync
 
     blocking = _Stack(_stack(10, **FLEX))
     capacity = _Stack(_stack(50, **FLEX, moe_hybridep_capacity_factor=1.5))
@@ -89,7 +89,7 @@ def _step(stack, x):
 
 
 def test_capacity_stack_runs_ahead_and_blocking_waits(megatron):
-    from megatron_ext.sync import count_host_syncs, runahead_probe
+    from megatron_ext.tooling.sync import count_host_syncs, runahead_probe
 
     x = _inputs(1)[0][: TOKENS - 8]  # not a multiple of 64: equal counts pad on the device
     equal = dict(moe_hybridep_equal_token_counts=True, moe_hybridep_verify_equal_token_counts=True)
@@ -191,7 +191,7 @@ def test_every_mode_against_blocking_with_its_syncs_and_runahead(megatron, mode)
     blocking: bitwise for megatron-ext's modes, within bf16 rounding for stock Megatron. Modes that
     declare equal counts run their later steps under the sync guard and run ahead of a sleeping
     GPU; the others make the host wait."""
-    from megatron_ext.sync import count_host_syncs, forbid_host_sync, runahead_probe
+    from megatron_ext.tooling.sync import count_host_syncs, forbid_host_sync, runahead_probe
 
     blocking = _summed(FLEX)
     stack = _summed(mode.overrides)

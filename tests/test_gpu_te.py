@@ -47,7 +47,7 @@ def _te_stack(experts, seed, **overrides):
 def test_op_fuser_experts_in_capacity_mode_equal_blocking_without_host_syncs(megatron):
     from megatron.core.transformer.moe.experts import TEGroupedMLP
 
-    from megatron_ext.sync import forbid_host_sync, runahead_probe
+    from megatron_ext.tooling.sync import forbid_host_sync, runahead_probe
 
     wrap = lambda layer, x: layer(x)  # noqa: E731
     ours = _te_stack("grouped", 90, **FLEX)  # megatron-ext's GroupedMLP, blocking: a second reference
@@ -87,7 +87,7 @@ def test_op_fuser_experts_in_capacity_mode_equal_blocking_without_host_syncs(meg
 
 def test_stock_te_experts_make_the_host_wait(megatron):
     """The comparison the bench draws: stock Megatron's alltoall dispatcher with TEGroupedMLP unfused."""
-    from megatron_ext.sync import runahead_probe
+    from megatron_ext.tooling.sync import runahead_probe
 
     stock = _te_stack("te", 90, moe_token_dispatcher_type="alltoall")
     x = _inputs(1)[0]

@@ -89,7 +89,7 @@ def no_flags_equal_stock_alltoall(rank, world):
 
 def blocking_backward_reads_nothing(rank, world):
     """The blocking dispatch reads its counts once, in the forward; its backward reuses them."""
-    from megatron_ext.sync import count_host_syncs, forbid_host_sync
+    from megatron_ext.tooling.sync import count_host_syncs, forbid_host_sync
 
     layer = moe_layer(make_config(world, **FLEX), experts="grouped")
     x = step_inputs(rank, 1, 32, HIDDEN, seed=9)[0].requires_grad_(True)
@@ -102,7 +102,7 @@ def blocking_backward_reads_nothing(rank, world):
 
 def _capacity_equals_blocking(rank, world, factor, static):
     from megatron_ext.capacity import capacity_from_rows
-    from megatron_ext.sync import forbid_host_sync
+    from megatron_ext.tooling.sync import forbid_host_sync
 
     inputs = step_inputs(rank, 4, 32, HIDDEN, seed=2)
     if static:  # factor 1.0 leaves no room for routing drift: keep the calibration batch
@@ -137,7 +137,7 @@ def capacity_2_0_equals_blocking(rank, world):
 
 
 def too_small_capacity_fails_loudly(rank, world):
-    from megatron_ext.sync import forbid_host_sync
+    from megatron_ext.tooling.sync import forbid_host_sync
 
     layer = moe_layer(make_config(world, **FLEX, moe_hybridep_capacity_factor=1.0), experts="grouped")
     inputs = step_inputs(rank, 2, 32, HIDDEN, seed=3)
@@ -154,7 +154,7 @@ def too_small_capacity_fails_loudly(rank, world):
 
 
 def equal_token_counts_skip_the_all_reduce(rank, world):
-    from megatron_ext.sync import forbid_host_sync
+    from megatron_ext.tooling.sync import forbid_host_sync
 
     inputs = step_inputs(rank, 3, 30, HIDDEN, seed=4)  # 30 tokens: padded to 64 for HybridEP
     blocking = moe_layer(make_config(world, **FLEX), experts="grouped")
@@ -180,7 +180,7 @@ def equal_token_counts_skip_the_all_reduce(rank, world):
 
 
 def verify_catches_unequal_counts(rank, world):
-    from megatron_ext.sync import forbid_host_sync
+    from megatron_ext.tooling.sync import forbid_host_sync
 
     equal = dict(moe_hybridep_equal_token_counts=True, moe_hybridep_verify_equal_token_counts=True)
     layer = moe_layer(make_config(world, **FLEX, **equal, moe_hybridep_capacity_factor=1.5), experts="grouped")

@@ -183,7 +183,7 @@ def routing_shift_mid_training_is_survived_bitwise(rank, world):
 
     from megatron_ext.dispatcher import CAPACITY_USE_METRIC
     from megatron_ext.recovery import OverflowRerun
-    from megatron_ext.sync import count_host_syncs
+    from megatron_ext.tooling.sync import count_host_syncs
 
     layer, blocking, manager = _layers(world)
     runner = OverflowRerun(_forward_backward)

@@ -1,4 +1,4 @@
-"""The buffer round trip (`python -m megatron_ext.roundtrip`) runs across spawned ranks and reports OK."""
+"""The buffer round trip (`python -m megatron_ext.tooling.roundtrip`) runs across spawned ranks and reports OK."""
 
 import re
 import subprocess
@@ -7,7 +7,7 @@ import sys
 
 def _run(*args):
     return subprocess.run(
-        [sys.executable, "-m", "megatron_ext.roundtrip", *args], capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "megatron_ext.tooling.roundtrip", *args], capture_output=True, text=True, timeout=300
     )
 
 

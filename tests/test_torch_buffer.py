@@ -90,7 +90,7 @@ def _cpu(result):
 
 def _case(checks, rank, world_size, index, case):
     from megatron_ext.hybridep import TorchHybridEPBuffer, Traffic
-    from megatron_ext.sync import forbid_host_sync
+    from megatron_ext.tooling.sync import forbid_host_sync
 
     num_tokens, num_experts, topk, pad_multiple, dtype, empty_expert = case
     num_local = num_experts // world_size
@@ -191,7 +191,7 @@ def _case(checks, rank, world_size, index, case):
 def _guard_catches_blocking(checks, rank, world_size):
     """The guard is not vacuous: the blocking dispatch's host read trips it on every rank."""
     from megatron_ext.hybridep import TorchHybridEPBuffer
-    from megatron_ext.sync import HostSyncError, forbid_host_sync
+    from megatron_ext.tooling.sync import HostSyncError, forbid_host_sync
 
     buf = TorchHybridEPBuffer(dist.group.WORLD, HIDDEN, 8, 2)
     gen = torch.Generator().manual_seed(7)

@@ -198,7 +198,7 @@ def _rank_main(rank: int, world_size: int, args, failure_dir: str) -> bool:
 
     device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
     if device.type == "cpu":
-        from megatron_ext.patches.cpu import use_cpu_ranks
+        from megatron_ext.tooling.cpu_ranks import use_cpu_ranks
 
         use_cpu_ranks()
         torch.set_num_threads(1)  # one thread per rank: ranks share the cores

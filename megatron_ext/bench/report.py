@@ -188,7 +188,7 @@ def legend(rows: list[dict], cuda: bool, sizes) -> str:
         "over stock Megatron's with the same experts (megatron+te for the TE rows).",
         "dispatch host ms: host time of one forward dispatch call (MoELayer.preprocess + dispatch), median, slowest "
         "rank.",
-        "syncs/step: host reads of device values in one step, counted by megatron_ext.sync.count_host_syncs.",
+        "syncs/step: host reads of device values in one step, counted by megatron_ext.tooling.sync.count_host_syncs.",
     ]
     if not cuda:
         lines.append(
@@ -202,7 +202,7 @@ def legend(rows: list[dict], cuda: bool, sizes) -> str:
         )
     if cuda:
         lines.append(
-            "ran ahead: 'step' when the host enqueued a whole step while the GPU slept (megatron_ext.sync."
+            "ran ahead: 'step' when the host enqueued a whole step while the GPU slept (megatron_ext.tooling.sync."
             "runahead_probe); else how many of the step's forward dispatches it got past before the GPU woke. CUDA's "
             "launch queue holds about 1,000 kernels: a step that launches more stops the host when the queue is "
             "full, sync or not; a blocking dispatch stops it at the first layer."

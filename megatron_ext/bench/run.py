@@ -340,7 +340,7 @@ class _Runner:
             )
 
     def _count(self, stack, timer, managers, result, x) -> None:
-        from megatron_ext.sync import count_host_syncs
+        from megatron_ext.tooling.sync import count_host_syncs
 
         stats_before = _dispatch_counts(managers)
         with count_collectives() as collectives, count_host_syncs() as syncs:
@@ -498,7 +498,7 @@ def _runahead(step, sleep_ms: float, timer, layers: int) -> dict:
     """The probe's verdict on a whole step, and how many of the step's forward dispatches the host
     got past while the GPU slept (a step of more kernels than CUDA's launch queue holds stops the
     host however free of syncs it is; a blocking dispatch stops it at the first layer)."""
-    from megatron_ext.sync import runahead_probe
+    from megatron_ext.tooling.sync import runahead_probe
 
     probe = runahead_probe(step, sleep_ms=sleep_ms)
     returned = [t for t in timer.returned_at if t >= probe.behind_started][:layers]

@@ -1,7 +1,7 @@
 """A dispatch/combine round trip of the PyTorch HybridEP buffer across ranks, checked and timed.
 
-    python -m megatron_ext.roundtrip                 # 4 CPU ranks on gloo (spawned)
-    torchrun --nproc-per-node 8 -m megatron_ext.roundtrip --backend nccl   # one rank per GPU
+    python -m megatron_ext.tooling.roundtrip                 # 4 CPU ranks on gloo (spawned)
+    torchrun --nproc-per-node 8 -m megatron_ext.tooling.roundtrip --backend nccl   # one rank per GPU
 
 Each rank routes random tokens (top-k of E experts), then runs the blocking dispatch and a
 non-blocking one sized to ceil(rows x factor), the latter under `forbid_host_sync()`. It checks
@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 
 def _parse(argv=None):
-    p = argparse.ArgumentParser(prog="python -m megatron_ext.roundtrip", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m megatron_ext.tooling.roundtrip", description=__doc__.split("\n\n")[0])
     p.add_argument("--world-size", type=int, default=4, help="ranks to spawn when not under torchrun (default 4)")
     p.add_argument("--backend", choices=("gloo", "nccl"), default="gloo", help="gloo on CPU (default) or nccl on GPUs")
     p.add_argument("--tokens", type=int, default=512, help="tokens per rank (default 512)")
@@ -123,7 +123,7 @@ def _run(rank: int, world_size: int, args) -> tuple[list[str], list[str]]:
     from megatron_ext import fused
     from megatron_ext.capacity import capacity_from_rows
     from megatron_ext.hybridep import TorchHybridEPBuffer
-    from megatron_ext.sync import forbid_host_sync
+    from megatron_ext.tooling.sync import forbid_host_sync
 
     device = torch.device("cuda", torch.cuda.current_device()) if args.backend == "nccl" else torch.device("cpu")
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
