@@ -17,11 +17,12 @@ offsets to the host, so such a layer is refused when it is built.
 
 With `--recompute-granularity selective --recompute-modules moe_act` (as TEGroupedMLP honours it)
 the torch path frees the activation's output once fc2 has read it and recomputes it in the
-backward, so only the fc1 output and the probs stay saved for it (the fused path always does so).
+backward (`megatron_ext.activation_recompute`), so only the fc1 output and the probs stay saved
+for it (the fused path always does so).
 
 Parameters live as one stacked tensor per linear ([L, out, in]), so the GEMMs read them without a
-per-step copy; `state_dict()` presents them as TE GroupedLinear's per-expert `weight{i}`/`bias{i}`
-(plus its empty `_extra_state`) so checkpoints carry over to and from `TEGroupedMLP`.
+per-step copy; their checkpoints read like `TEGroupedMLP`'s and `SequentialMLP`'s
+(`megatron_ext.experts_checkpoint`).
 """
 
 from __future__ import annotations
@@ -30,15 +31,14 @@ import contextlib
 
 import torch
 import torch.nn.functional as F
-from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, get_expert_parallel_rng_tracker_name
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.core.transformer.utils import make_sharded_object_for_checkpoint
-from megatron.core.utils import get_pg_rank, get_pg_size
+from megatron.core.utils import get_pg_size
 
-from megatron_ext import fused
+from megatron_ext import experts_checkpoint, fused
+from megatron_ext.activation_recompute import ActivationRecompute
 
 
 def _refuse(flag: str, problem: str, fix: str) -> ValueError:
@@ -54,65 +54,6 @@ def _sync_refusal(dtype: torch.dtype) -> ValueError:
         "host for any dtype but bfloat16, which would stall every step",
         "train with --bf16, or drop --moe-hybridep-capacity-factor (blocking dispatch)",
     )
-
-
-class _ActivationRecompute:
-    """Runs `fn(h, probs)` without keeping its output: the output's memory is released once the
-    next GEMM has consumed it (`release`) and refilled by recomputing `fn` just before that GEMM's
-    backward needs it (a hook on the GEMM's output). Only `h` and `probs` stay saved."""
-
-    def __init__(self):
-        self.ctx = None
-        self.output: torch.Tensor | None = None
-
-    def __call__(self, fn, h: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
-        self.output = _DiscardedOutput.apply(fn, self, h, probs)
-        return self.output
-
-    def release(self, consumer_output: torch.Tensor) -> None:
-        if not consumer_output.requires_grad:  # no backward will come: nothing to recompute
-            return
-        self.output.untyped_storage().resize_(0)
-        consumer_output.register_hook(self._recompute)
-
-    def _recompute(self, _grad) -> None:
-        ctx, output = self.ctx, self.output
-        if ctx is None:  # already recomputed (the hook fires once per backward)
-            return
-        h, probs = (t.detach().requires_grad_(t.requires_grad) for t in ctx.saved_tensors)
-        with torch.enable_grad():
-            recomputed = ctx.fn(h, probs)
-        # Refill the released storage in place: the GEMM saved `output` itself for its backward.
-        # A storage copy leaves the tensor's version counter alone, as autograd requires.
-        storage = output.untyped_storage()
-        storage.resize_(recomputed.untyped_storage().nbytes())
-        storage.copy_(recomputed.untyped_storage())
-        ctx.recomputed = (h, probs, recomputed)
-        self.ctx = self.output = None
-
-
-class _DiscardedOutput(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, fn, owner: _ActivationRecompute, h, probs):
-        with torch.no_grad():
-            out = fn(h, probs)
-        ctx.fn = fn
-        ctx.recomputed = None
-        ctx.save_for_backward(h, probs)
-        owner.ctx = ctx
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        if ctx.recomputed is None:
-            raise RuntimeError(
-                "megatron_ext GroupedMLP: the moe_act recompute did not run before the activation's backward "
-                "(use .backward(), not torch.autograd.grad on part of the graph, with --recompute-modules moe_act)."
-            )
-        h, probs, out = ctx.recomputed
-        ctx.recomputed = None
-        torch.autograd.backward(out, grad)
-        return None, None, h.grad, probs.grad
 
 
 class _FusedExperts(torch.autograd.Function):
@@ -175,53 +116,14 @@ class _ExpertLinear(torch.nn.Module):
             with tracker.fork(get_expert_parallel_rng_tracker_name()) if fork else contextlib.nullcontext():
                 for expert_weight in self.weight.data:  # per expert, as TE initialises weight{i}
                     init_method(expert_weight)
-        self.register_state_dict_post_hook(_split_per_expert)
-        self.register_load_state_dict_pre_hook(_stack_per_expert)
+        self.register_state_dict_post_hook(experts_checkpoint.split_per_expert)
+        self.register_load_state_dict_pre_hook(experts_checkpoint.stack_per_expert)
 
     def get_extra_state(self) -> torch.Tensor:
         return torch.empty(0, dtype=torch.uint8)  # what TE saves when no fp8 state is kept
 
     def set_extra_state(self, state) -> None:
         """Accept and ignore TE's extra state: fp8 scaling history, meaningless here."""
-
-
-def _split_per_expert(module: _ExpertLinear, state_dict: dict, prefix: str, local_metadata) -> None:
-    # Pop this module's own entries (the last ones written) and re-add them in TE's order.
-    weight = state_dict.pop(prefix + "weight")
-    bias = state_dict.pop(prefix + "bias", None)
-    extra = state_dict.pop(prefix + "_extra_state")
-    for i in range(module.num_experts):
-        state_dict[f"{prefix}weight{i}"] = weight[i]
-        if bias is not None:
-            state_dict[f"{prefix}bias{i}"] = bias[i]
-    state_dict[prefix + "_extra_state"] = extra
-
-
-def _stack_per_expert(module: _ExpertLinear, state_dict: dict, prefix: str, *_) -> None:
-    for name in ("weight", "bias"):
-        keys = [f"{prefix}{name}{i}" for i in range(module.num_experts)]
-        if all(k in state_dict for k in keys):  # else leave them: load_state_dict reports what is amiss
-            state_dict[prefix + name] = torch.stack([state_dict.pop(k) for k in keys])
-    for i in range(1, module.num_experts):  # dist-checkpoint form of TE's per-expert extra state
-        state_dict.pop(f"{prefix}_extra_state{i}", None)
-
-
-def _from_sequential_mlp(module: GroupedMLP, state_dict: dict, prefix: str, *_) -> None:
-    """Rename SequentialMLP's per-expert keys (Megatron's local spec, `local_experts.{i}.linear_fcN.weight`,
-    what a run without capacity mode saves in `--ckpt-format torch`) to ours (`linear_fcN.weight{i}`),
-    so such a checkpoint loads instead of being skipped by a non-strict load. (The distributed
-    checkpoint formats need no renaming: both write the same global tensors.)"""
-    for linear in ("linear_fc1", "linear_fc2"):
-        renamed = False
-        for i in range(module.num_local_experts):
-            theirs = f"{prefix}local_experts.{i}.{linear}."
-            for name in ("weight", "bias"):
-                if theirs + name in state_dict:
-                    state_dict[f"{prefix}{linear}.{name}{i}"] = state_dict.pop(theirs + name)
-                    renamed = True
-            state_dict.pop(theirs + "_extra_state", None)  # the parallel linears': nothing we keep
-        if renamed:  # ours is ignored on load, but a strict load asks for it
-            state_dict.setdefault(f"{prefix}{linear}._extra_state", None)
 
 
 class GroupedMLP(MegatronModule):
@@ -278,7 +180,7 @@ class GroupedMLP(MegatronModule):
         # (gated, activation code) when the fused path computes this MLP, else None.
         self._fused_activation = self._fused_activation_of(config)
         self._capacity_mode = getattr(config, "moe_hybridep_capacity_factor", None) is not None
-        self.register_load_state_dict_pre_hook(_from_sequential_mlp)
+        self.register_load_state_dict_pre_hook(experts_checkpoint.from_sequential_mlp)
 
     @staticmethod
     def _fused_activation_of(config: TransformerConfig):
@@ -384,7 +286,7 @@ class GroupedMLP(MegatronModule):
         h = F.grouped_mm(x, self.linear_fc1.weight.transpose(1, 2), offs=offsets)
         if self.linear_fc1.bias is not None:
             h = h + F.pad(self.linear_fc1.bias, (0, 0, 0, 1))[expert]
-        recompute = _ActivationRecompute() if self.activation_recompute else None
+        recompute = ActivationRecompute() if self.activation_recompute else None
         h = recompute(self._activation, h, probs) if recompute else self._activation(h, probs)
         out = F.grouped_mm(h, self.linear_fc2.weight.transpose(1, 2), offs=offsets)
         if recompute:
@@ -413,37 +315,5 @@ class GroupedMLP(MegatronModule):
         """Nothing to do: weight gradients are computed in the ordinary backward."""
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
-        """Distributed-checkpoint entries in TEGroupedMLP's global layout.
-
-        Each stacked parameter is one ShardedTensor: rows [r*L, (r+1)*L) of the global
-        [num_experts, ...] tensor `{prefix}experts.linear_fcN.weight` that TEGroupedMLP and
-        SequentialMLP write one expert at a time, so the checkpoints are interchangeable (the
-        GLU halves TEGroupedMLP saves as two chunks are the same global rows). Per-expert
-        `_extra_state` objects are written as TE writes them without fp8.
-        """
-        if (metadata or {}).get("singleton_local_shards"):
-            raise NotImplementedError("GroupedMLP.sharded_state_dict: singleton_local_shards is not supported.")
-        if self.expt_dp_group is None:
-            raise ValueError("GroupedMLP.sharded_state_dict needs pg_collection.expt_dp (expert data parallel group).")
-        ep_axis, ep_rank, ep_size = len(sharded_offsets), get_pg_rank(self.ep_group), get_pg_size(self.ep_group)
-        L = self.num_local_experts
-        # The writer of each shard: one per expert-data-parallel group (as TE's grouped linears).
-        replica_id = (0, get_pg_rank(self.tp_group), get_pg_rank(self.expt_dp_group))
-        entries = {}
-        for name in ("linear_fc1", "linear_fc2"):
-            linear, key = getattr(self, name), f"{prefix}experts.{name}."
-            for pname, param in linear.named_parameters():
-                entries[f"{prefix}{name}.{pname}"] = ShardedTensor.from_rank_offsets(
-                    key + pname,
-                    param,
-                    *sharded_offsets,
-                    (ep_axis, ep_rank, ep_size),
-                    replica_id=replica_id,
-                    prepend_axis_num=ep_axis,
-                )
-            for i in range(L):
-                offsets = (*sharded_offsets, (ep_axis, ep_rank * L + i, ep_size * L))
-                entries[f"{prefix}{name}._extra_state{i or ''}"] = make_sharded_object_for_checkpoint(
-                    linear.get_extra_state(), key + "_extra_state", offsets, replica_id=replica_id
-                )
-        return entries
+        """Distributed-checkpoint entries in TEGroupedMLP's global layout (`experts_checkpoint`)."""
+        return experts_checkpoint.sharded_state_dict(self, prefix, sharded_offsets, metadata)
