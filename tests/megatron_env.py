@@ -76,7 +76,7 @@ def moe_layer(config, experts: str = "spec", seed: int = 1234):
         spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False)
         submodules = spec.submodules.mlp.keywords["submodules"]
     else:
-        from megatron_ext.bench.run import experts_spec
+        from megatron_ext.bench.stack import experts_spec
 
         submodules = experts_spec(experts, config.num_moe_experts)
     torch.manual_seed(seed)

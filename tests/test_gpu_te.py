@@ -23,7 +23,7 @@ CAPACITY = dict(FLEX, moe_hybridep_capacity_factor=2.0, moe_hybridep_equal_token
 
 @pytest.fixture(scope="module", autouse=True)
 def transformer_engine():
-    from megatron_ext.bench.run import te_import_error
+    from megatron_ext.bench.stack import te_import_error
 
     reason = te_import_error()
     if reason is not None:
@@ -32,7 +32,7 @@ def transformer_engine():
 
 def _stacked(steps):
     """run_steps' gradients with TE's per-expert `weight{i}` stacked as GroupedMLP's `weight`."""
-    from megatron_ext.bench.run import stack_per_expert
+    from megatron_ext.bench.stack import stack_per_expert
 
     return [(output, grad, stack_per_expert(grads)) for output, grad, grads in steps]
 

@@ -15,7 +15,6 @@ import argparse
 import datetime
 import json
 import logging
-import math
 import os
 import sys
 import tempfile
@@ -24,8 +23,11 @@ import warnings
 
 import torch
 
+import megatron_ext
 from megatron_ext.bench.modes import all_modes, select
-from megatron_ext.bench.run import DTYPES, Sizes
+from megatron_ext.bench.run import Sizes
+from megatron_ext.bench.stack import DTYPES
+from megatron_ext.options import HybridEPConfigError, check_capacity_factor
 
 
 def parser() -> argparse.ArgumentParser:
@@ -107,8 +109,10 @@ def parse(argv=None) -> argparse.Namespace:
         p.error(f"--topk {args.topk} must be between 1 and --experts ({args.experts})")
     if args.experts % args.world_size:
         p.error(f"--experts {args.experts} must be divisible by the {args.world_size} ranks (one EP group)")
-    if not (math.isfinite(args.capacity_factor) and args.capacity_factor >= 1.0):
-        p.error(f"--capacity-factor {args.capacity_factor} would drop tokens; use a finite value >= 1.0")
+    try:
+        check_capacity_factor(args.capacity_factor, "--capacity-factor")
+    except HybridEPConfigError as error:
+        p.error(str(error))
     try:
         args.selected = select(args.modes.split(",") if args.modes else None, args.capacity_factor)
     except ValueError as error:
@@ -164,8 +168,6 @@ def _machine(args, world_size: int) -> str:
 def _versions() -> dict:
     from importlib.metadata import PackageNotFoundError, version
 
-    import megatron_ext
-
     found = {"megatron-ext": megatron_ext.__version__}
     for package in ("megatron-core", "torch"):
         try:
@@ -183,7 +185,8 @@ def _quiet(verbose: bool) -> None:
     if not verbose:
         warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\..*")
         logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
-    logging.getLogger("megatron_ext").setLevel(logging.INFO if verbose else logging.WARNING)
+    # The package's logger: every megatron_ext module logs to a child of it (`getLogger(__name__)`).
+    logging.getLogger(megatron_ext.__name__).setLevel(logging.INFO if verbose else logging.WARNING)
 
 
 def _rank_main(rank: int, world_size: int, args, failure_dir: str) -> bool:

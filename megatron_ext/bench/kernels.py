@@ -59,7 +59,7 @@ def main(argv=None) -> int:
         p.error("needs a CUDA GPU (it counts GPU operations)")
 
     from megatron_ext.bench.modes import select
-    from megatron_ext.bench.run import MoEStack, make_inputs, megatron_config, te_import_error
+    from megatron_ext.bench.stack import MoEStack, make_inputs, megatron_config, te_import_error
 
     try:
         modes = select(args.modes.split(",") if args.modes else None, 1.5)

@@ -152,7 +152,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU (it profiles GPU kernels)")
     from megatron_ext.bench.modes import select
-    from megatron_ext.bench.run import MoEStack, make_inputs, megatron_config
+    from megatron_ext.bench.stack import MoEStack, make_inputs, megatron_config
 
     try:
         modes = [m for m in select(args.modes.split(",") if args.modes else None, args.capacity_factor)]

@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import functools
 import gc
-import os
-import re
 import statistics
 import time
 from collections.abc import Callable
@@ -31,6 +29,14 @@ import torch.distributed as dist
 
 from megatron_ext.bench.counters import DispatchTimer, count_collectives
 from megatron_ext.bench.modes import BLOCKING, Mode
+from megatron_ext.bench.stack import (
+    MoEStack,
+    grads_by_name,
+    load_weights,
+    make_inputs,
+    megatron_config,
+    te_import_error,
+)
 
 
 @dataclass(frozen=True)
@@ -119,108 +125,8 @@ class ModeResult:
                 setattr(self, name, (getattr(self, name) or 0) + getattr(later, name))
 
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # How far a mode that sums in another order may be from blocking: ||a - b|| / ||b||.
 CLOSE_TOLERANCE = {"fp32": 1e-4, "bf16": 3e-2, "fp16": 1e-2}
-
-
-def megatron_config(sizes: Sizes, world_size: int, device: torch.device, mode: Mode):
-    from megatron_ext.config import HybridEPTransformerConfig
-
-    dtype = DTYPES[sizes.dtype]
-    base = dict(
-        num_layers=sizes.layers,
-        hidden_size=sizes.hidden,
-        num_attention_heads=1,
-        num_moe_experts=sizes.experts,
-        moe_router_topk=sizes.topk,
-        moe_ffn_hidden_size=sizes.ffn_hidden,
-        expert_model_parallel_size=world_size,
-        params_dtype=dtype,
-        bf16=dtype == torch.bfloat16,
-        fp16=dtype == torch.float16,
-        add_bias_linear=False,
-        moe_router_dtype="fp32",
-        moe_router_load_balancing_type="none",
-        moe_aux_loss_coeff=0.0,
-        bias_activation_fusion=False,
-        gated_linear_unit=True,
-        activation_func=torch.nn.functional.silu,
-        use_cpu_initialization=device.type == "cpu",
-    )
-    return HybridEPTransformerConfig(**{**base, **mode.overrides})
-
-
-def te_import_error() -> Optional[str]:
-    """None when Megatron finds Transformer Engine with its op-fuser GroupedLinear, else why not."""
-    if not torch.cuda.is_available():
-        return "Transformer Engine's experts need a CUDA GPU"
-    try:
-        from megatron.core.extensions.transformer_engine import HAVE_TE
-        from transformer_engine.pytorch.ops import GroupedLinear  # noqa: F401
-    except Exception as exc:  # ImportError, or a library/driver error raised at import
-        return f"Transformer Engine does not import: {type(exc).__name__}: {exc}"
-    return None if HAVE_TE else "Megatron-Core did not find Transformer Engine"
-
-
-def experts_spec(kind: str, num_experts: int):
-    """The experts and shared-experts spec for `kind` ('grouped', 'te' or 'te-op-fuser')."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer.moe.moe_layer import MoESubmodules
-
-    from megatron_ext.experts import GroupedMLP
-
-    if kind == "grouped":
-        spec = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False)
-        shared = spec.submodules.mlp.keywords["submodules"].shared_experts
-        return MoESubmodules(experts=GroupedMLP, shared_experts=shared)
-    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
-
-    if kind == "te-op-fuser":
-        # Megatron-Core 0.19.2 accepts SwiGLU on TE's op fuser only when this asks for TE's CuTe DSL
-        # fused grouped MLP; TE uses that kernel on compute capability 10 alone and runs its separate
-        # grouped ops (GroupedLinear, ScaledSwiGLU, GroupedLinear) elsewhere, the H200 included.
-        os.environ.setdefault("NVTE_CUTEDSL_FUSED_GROUPED_MLP", "1")
-    return get_moe_module_spec(use_te=True, num_experts=num_experts, moe_grouped_gemm=True).keywords["submodules"]
-
-
-class MoEStack(torch.nn.Module):
-    """`layers` Megatron MoE layers that read the same input; their outputs are summed: x + sum(moe(x)).
-
-    Not chained on purpose: routing is discontinuous, so when a mode sums in another order (stock
-    Megatron in bf16) a rounding difference in layer 1 would change which experts layer 2 picks,
-    and no tolerance could tell that from a bug. Each layer's routing, dispatch, experts and
-    combine run as they do in a model, forward and backward, in sequence on one stream.
-    """
-
-    def __init__(self, config, layers: int, experts: str = "grouped"):
-        super().__init__()
-        from megatron.core.transformer.moe.moe_layer import MoELayer
-
-        submodules = experts_spec(experts, config.num_moe_experts)
-        self.config = config  # where Megatron's get_model_config (and so the overflow recovery) looks
-        self.layers = torch.nn.ModuleList(
-            MoELayer(config, submodules=submodules, layer_number=i + 1) for i in range(layers)
-        )
-
-    def forward(self, x):
-        out = x
-        for layer in self.layers:
-            out = out + layer(x)[0]
-        return out
-
-
-def make_inputs(sizes: Sizes, rank: int, count: int, device: torch.device) -> list[torch.Tensor]:
-    """Fresh `[T, 1, H]` inputs per step and rank; `skew` adds a fixed +-1 vector to every token."""
-    generator = torch.Generator().manual_seed(sizes.seed * 7919 + rank)
-    direction = torch.randint(0, 2, (sizes.hidden,), generator=torch.Generator().manual_seed(sizes.seed)) * 2 - 1
-    dtype = DTYPES[sizes.dtype]
-    return [
-        (torch.randn(sizes.tokens, 1, sizes.hidden, generator=generator) + sizes.skew * direction).to(
-            device=device, dtype=dtype
-        )
-        for _ in range(count)
-    ]
 
 
 class _Runner:
@@ -276,7 +182,7 @@ class _Runner:
         if self.weights is None:
             self.weights = {k: v.detach().clone() for k, v in stack.state_dict().items()}
         else:
-            _load_weights(stack, self.weights)
+            load_weights(stack, self.weights)
         managers = _our_managers(stack)
         timer = DispatchTimer(stack.layers)
         inputs = iter(self.inputs)
@@ -402,38 +308,6 @@ class _Runner:
         gathers_after = _routing_map_bytes(managers)
         if gathers_before is not None and gathers_after is not None:
             result.routing_map_bytes_allocated_per_step = (gathers_after - gathers_before) / self.sizes.steps
-
-
-_PER_EXPERT = re.compile(r"^(.*\.(?:weight|bias))(\d+)$")
-
-
-def stack_per_expert(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """`tensors` by parameter name, TE GroupedLinear's per-expert `...experts.*.weight{i}` stacked
-    under GroupedMLP's `...weight` ([experts, out, in]), so TE's experts compare with megatron-ext's."""
-    out, per_expert = {}, {}
-    for name, tensor in tensors.items():
-        match = _PER_EXPERT.match(name)
-        if match and "experts." in name:
-            per_expert.setdefault(match.group(1), {})[int(match.group(2))] = tensor
-        else:
-            out[name] = tensor
-    out.update({name: torch.stack([e[i] for i in sorted(e)]) for name, e in per_expert.items()})
-    return out
-
-
-def grads_by_name(module) -> dict[str, torch.Tensor]:
-    """Every parameter gradient by name, per-expert ones stacked (`stack_per_expert`)."""
-    return stack_per_expert({n: p.grad for n, p in module.named_parameters() if p.grad is not None})
-
-
-def _load_weights(stack, weights: dict) -> None:
-    """The first stack's weights into `stack`; GroupedMLP and TEGroupedMLP name them alike, and
-    TE's `_extra_state` (its fp8 metadata, none here) may be absent on either side."""
-    missing, unexpected = stack.load_state_dict(weights, strict=False)
-    missing = [k for k in missing if not k.endswith("_extra_state")]
-    unexpected = [k for k in unexpected if not k.endswith("_extra_state")]
-    if missing or unexpected:
-        raise RuntimeError(f"weights do not carry over: missing {missing[:4]}, unexpected {unexpected[:4]}")
 
 
 def _our_managers(stack) -> list:
