@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
+
 def megatron_config(sizes: Sizes, world_size: int, device: torch.device, mode: Mode):
     from megatron_ext.config import HybridEPTransformerConfig
 
@@ -116,7 +117,6 @@ def make_inputs(sizes: Sizes, rank: int, count: int, device: torch.device) -> li
         )
         for _ in range(count)
     ]
-
 
 
 _PER_EXPERT = re.compile(r"^(.*\.(?:weight|bias))(\d+)$")
