@@ -1,6 +1,7 @@
 import pytest
 import torch
-import torch.distributed as dist
+
+from tests.distributed import one_rank_group
 
 # Modules whose tests spawn ranks or processes: `pytest -m "not slow"` leaves them out.
 SLOW_MODULES = {
@@ -29,20 +30,30 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(scope="module")
-def megatron(tmp_path_factory):
+def gloo_group(tmp_path_factory):
+    """This process as a one-rank gloo group, for the module: yields the group."""
+    with one_rank_group("gloo", tmp_path_factory.mktemp("gloo")) as group:
+        yield group
+
+
+@pytest.fixture(scope="module")
+def nccl_group(tmp_path_factory):
+    """This process as a one-rank NCCL group on GPU 0, for the module: yields the group (GPU tests)."""
+    with one_rank_group("nccl", tmp_path_factory.mktemp("nccl")) as group:
+        yield group
+
+
+@pytest.fixture(scope="module")
+def megatron(nccl_group):
     """One NCCL rank on GPU 0 with Megatron's parallel state and megatron-ext's patch (GPU tests)."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     import megatron_ext.patches
 
-    torch.cuda.set_device(0)
-    init = tmp_path_factory.mktemp("nccl_moe") / "init"
-    dist.init_process_group("nccl", init_method=f"file://{init}", rank=0, world_size=1)
     parallel_state.initialize_model_parallel()
     model_parallel_cuda_manual_seed(1)
     applied = megatron_ext.patches.apply(training=False)  # no training loop here
     yield
     megatron_ext.patches.revert(applied)
     parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()

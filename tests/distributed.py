@@ -3,11 +3,13 @@ GPU on NCCL."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
 import tempfile
 import traceback
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
@@ -44,6 +46,21 @@ def run_ranks(world_size: int, fn, *args, backend: str = "gloo") -> None:
         mp.spawn(_entry, args=entry_args, nprocs=world_size, join=True)
 
 
+@contextlib.contextmanager
+def one_rank_group(backend: str, folder: Path):
+    """This process as the only rank of a `backend` group (rendezvous file in `folder`; on NCCL,
+    GPU 0): yields the group, destroys it on exit. The conftest's gloo_group/nccl_group fixtures."""
+    if backend == "nccl":
+        import torch
+
+        torch.cuda.set_device(0)
+    dist.init_process_group(backend, init_method=f"file://{folder / 'init'}", rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
 class Checks:
     """Records the outcome of named checks on one rank ("ok" or the traceback)."""
 
@@ -71,6 +88,25 @@ def merged_results(out_dir, world_size) -> dict:
                 if outcome != "ok" or name not in merged:
                     merged[name] = outcome if outcome == "ok" else f"rank {rank}:\n{outcome}"
     return merged
+
+
+def rank_results(tmp_path_factory, world_size: int, worker, *args, backend: str = "gloo") -> dict:
+    """run_ranks(world_size, worker, out_dir, *args) into a fresh folder, then merged_results:
+    `worker(rank, world_size, out_dir, *args)` saves its Checks in out_dir."""
+    out_dir = tmp_path_factory.mktemp(f"{worker.__module__.rsplit('.', 1)[-1]}_world{world_size}")
+    run_ranks(world_size, worker, str(out_dir), *args, backend=backend)
+    return merged_results(out_dir, world_size)
+
+
+def results_fixture(worker, world_sizes, *args):
+    """A module-scoped fixture, one parameter per world size: (world size, rank_results of `worker`
+    on that many gloo ranks). In a test module: `results = results_fixture(_worker, WORLD_SIZES)`."""
+
+    @pytest.fixture(scope="module", params=world_sizes, ids=lambda w: f"world{w}")
+    def results(request, tmp_path_factory):
+        return request.param, rank_results(tmp_path_factory, request.param, worker, *args)
+
+    return results
 
 
 def assert_ok(results, name):

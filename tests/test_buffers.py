@@ -11,7 +11,6 @@ import sys
 import types
 
 import pytest
-import torch.distributed as dist
 
 from megatron_ext.hybridep.buffers import get_buffer, release_buffers
 
@@ -22,13 +21,11 @@ class _RecordingBuffer:
 
 
 @pytest.fixture
-def group(tmp_path, monkeypatch):
+def group(gloo_group, monkeypatch):
     monkeypatch.setitem(sys.modules, "deep_ep", types.SimpleNamespace(HybridEPBuffer=_RecordingBuffer))
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
     release_buffers()
-    yield dist.group.WORLD
+    yield gloo_group
     release_buffers()
-    dist.destroy_process_group()
 
 
 def _get(group, num_tokens, reuse=True):

@@ -10,7 +10,6 @@ import re
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from megatron_ext.hybridep import TorchHybridEPBuffer
 
@@ -23,14 +22,6 @@ class _TwoRanks:
 
     def rank(self):
         return 0
-
-
-@pytest.fixture(scope="module")
-def group(tmp_path_factory):
-    init = tmp_path_factory.mktemp("pg") / "init"
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=0, world_size=1)
-    yield dist.group.WORLD
-    dist.destroy_process_group()
 
 
 def _inputs(tokens=6, experts=4, hidden=8):
@@ -54,8 +45,8 @@ def _raises(argument, fragment, fn, **kwargs):
         (dict(max_num_of_tokens_per_rank=-1), "max_num_of_tokens_per_rank", "non-negative"),
     ],
 )
-def test_constructor_rejects(group, kwargs, argument, fragment):
-    args = dict(group=group, hidden_dim=8, max_num_of_tokens_per_rank=6, num_local_experts=4) | kwargs
+def test_constructor_rejects(gloo_group, kwargs, argument, fragment):
+    args = dict(group=gloo_group, hidden_dim=8, max_num_of_tokens_per_rank=6, num_local_experts=4) | kwargs
     _raises(argument, fragment, TorchHybridEPBuffer, **args)
 
 
@@ -112,8 +103,8 @@ def _dispatch_case(name):
         "num_of_experts",
     ],
 )
-def test_dispatch_rejects(group, name):
-    buf = TorchHybridEPBuffer(group, 8, 6, 4)
+def test_dispatch_rejects(gloo_group, name):
+    buf = TorchHybridEPBuffer(gloo_group, 8, 6, 4)
     kwargs, argument, fragment = _dispatch_case(name)
     _raises(argument, fragment, buf.dispatch_with_permute, **kwargs)
 
@@ -126,8 +117,8 @@ def test_experts_not_divisible_by_ranks():
     )
 
 
-def test_combine_rejects(group):
-    buf = TorchHybridEPBuffer(group, 8, 6, 4)
+def test_combine_rejects(gloo_group):
+    buf = TorchHybridEPBuffer(gloo_group, 8, 6, 4)
     x, m, p = _inputs()
     rows, row_probs, _, _, handle = buf.dispatch_with_permute(hidden=x, routing_map=m, probs=p, pad_multiple=4)
     _raises("hidden", f"[{rows.shape[0]}, H]", buf.combine_with_unpermute, hidden=rows[:-1], handle=handle)
@@ -142,9 +133,9 @@ def test_combine_rejects(group):
     _raises("hidden", "[6, H] to match the handle", buf.dispatch_with_permute, hidden=x[:-1], handle=handle)
 
 
-def test_edge_inputs_work(group):
+def test_edge_inputs_work(gloo_group):
     """Tokens routed nowhere, experts that receive nothing, an empty dispatch, top-k indices."""
-    buf = TorchHybridEPBuffer(group, 8, 6, 4)
+    buf = TorchHybridEPBuffer(gloo_group, 8, 6, 4)
     x, m, p = _inputs()
     nothing = torch.zeros_like(m)
     rows, row_probs, _, counts, handle = buf.dispatch_with_permute(hidden=x, routing_map=nothing, probs=p * 0)
@@ -159,11 +150,11 @@ def test_edge_inputs_work(group):
     assert torch.equal(rows, torch.cat([x, x])) and torch.equal(row_probs, torch.full((12,), 0.5))
 
 
-def test_autograd_without_probs_and_with_probs_alone(group):
+def test_autograd_without_probs_and_with_probs_alone(gloo_group):
     """Gradients flow when dispatch has no probs, and when only the dispatched probs are used."""
     from megatron_ext.hybridep import dispatch
 
-    buf = TorchHybridEPBuffer(group, 8, 6, 4)
+    buf = TorchHybridEPBuffer(gloo_group, 8, 6, 4)
     x, m, p = _inputs()
     x.requires_grad_()
     rows, row_probs, _, _ = dispatch(buf, x, m, None, num_local_experts=4)

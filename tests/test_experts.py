@@ -12,7 +12,6 @@ import re
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -27,13 +26,10 @@ PAD = 9
 
 
 @pytest.fixture(scope="module")
-def pg(tmp_path_factory):
-    init = tmp_path_factory.mktemp("pg") / "init"
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=0, world_size=1)
+def pg(gloo_group):
     groups = ProcessGroupCollection()
-    groups.ep = groups.expt_tp = groups.expt_dp = dist.group.WORLD
-    yield groups
-    dist.destroy_process_group()
+    groups.ep = groups.expt_tp = groups.expt_dp = gloo_group
+    return groups
 
 
 def _config(dtype=torch.float32, gated=True, bias=False, **overrides) -> TransformerConfig:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from tests import reference
 from tests.test_torch_buffer import CASES, HIDDEN, TOLERANCE, _forward_backward, _reference_forward_backward
@@ -13,17 +12,8 @@ from tests.test_torch_buffer import CASES, HIDDEN, TOLERANCE, _forward_backward,
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture(scope="module")
-def group(tmp_path_factory):
-    torch.cuda.set_device(0)
-    init = tmp_path_factory.mktemp("nccl") / "init"
-    dist.init_process_group("nccl", init_method=f"file://{init}", rank=0, world_size=1)
-    yield dist.group.WORLD
-    dist.destroy_process_group()
-
-
 @pytest.mark.parametrize("index", range(len(CASES)))
-def test_matches_reference_and_nonblocking_is_bitwise_blocking(group, index):
+def test_matches_reference_and_nonblocking_is_bitwise_blocking(nccl_group, index):
     from megatron_ext.hybridep import TorchHybridEPBuffer
     from megatron_ext.tooling.sync import forbid_host_sync
 
@@ -31,7 +21,7 @@ def test_matches_reference_and_nonblocking_is_bitwise_blocking(group, index):
     gen = torch.Generator().manual_seed(500 + index)
     hidden, maps, probs = reference.random_routing(gen, 1, num_tokens, num_experts, topk, HIDDEN, dtype)
     weights = [torch.randn(num_tokens, HIDDEN, generator=gen)]
-    buf = TorchHybridEPBuffer(group, HIDDEN, num_tokens, num_experts, reuse_allgather_buffer=True)
+    buf = TorchHybridEPBuffer(nccl_group, HIDDEN, num_tokens, num_experts, reuse_allgather_buffer=True)
     x, m, p = hidden[0].cuda(), maps[0].cuda(), probs[0].cuda()
     cuda_weights = [w.cuda() for w in weights]
     blocking = _forward_backward(buf, x, m, p, 0, cuda_weights, num_experts, None, pad_multiple)
@@ -62,7 +52,7 @@ def _step(buf, x, m, p, capacity):
     out.float().sum().backward()
 
 
-def test_nonblocking_step_runs_ahead_and_blocking_waits(group):
+def test_nonblocking_step_runs_ahead_and_blocking_waits(nccl_group):
     from megatron_ext.hybridep import TorchHybridEPBuffer
     from megatron_ext.tooling.sync import runahead_probe
 
@@ -73,7 +63,7 @@ def test_nonblocking_step_runs_ahead_and_blocking_waits(group):
         1, torch.rand(T, E, device="cuda").topk(K, 1).indices, True
     )
     p = torch.rand(T, E, device="cuda") * m
-    buf = TorchHybridEPBuffer(group, H, T, E, reuse_allgather_buffer=True)
+    buf = TorchHybridEPBuffer(nccl_group, H, T, E, reuse_allgather_buffer=True)
     capacity = -(-int(m.sum()) * 3 // 2 // 4) * 4
     non_blocking = runahead_probe(lambda: _step(buf, x, m, p, capacity))
     blocking = runahead_probe(lambda: _step(buf, x, m, p, None))

@@ -16,24 +16,27 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests import test_moe_layer as moe
 from tests import test_torch_buffer
-from tests.distributed import assert_ok, merged_results, run_ranks
-from tests.test_moe_layer import FOUR_RANKS_ONLY, _worker
+from tests.distributed import assert_ok, rank_results
 
 pytestmark = pytest.mark.gpu
 
-GPU_CHECKS = (
-    "dispatcher_is_ours_with_flags",
-    "no_flags_equal_stock_alltoall",
-    "capacity_1_0_equals_blocking",
-    "capacity_1_5_equals_blocking",
-    "capacity_2_0_equals_blocking",
-    "equal_token_counts_skip_the_all_reduce",
-    "moe_recompute_same_gradients",
-    "full_recompute_same_gradients",
-    "moe_act_recompute_kept_in_capacity_mode",
-    "reuse_allgather_buffer",
-    "tensor_and_expert_parallel",
+GPU_CHECKS = tuple(
+    check.__name__
+    for check in (
+        moe.dispatcher_is_ours_with_flags,
+        moe.no_flags_equal_stock_alltoall,
+        moe.capacity_1_0_equals_blocking,
+        moe.capacity_1_5_equals_blocking,
+        moe.capacity_2_0_equals_blocking,
+        moe.equal_token_counts_skip_the_all_reduce,
+        moe.moe_recompute_same_gradients,
+        moe.full_recompute_same_gradients,
+        moe.moe_act_recompute_kept_in_capacity_mode,
+        moe.reuse_allgather_buffer,
+        moe.tensor_and_expert_parallel,
+    )
 )
 
 
@@ -49,9 +52,7 @@ def buffer_results(tmp_path_factory):
     gpus = _gpus()
     if any(case[1] % gpus for case in test_torch_buffer.CASES):
         pytest.skip(f"the buffer cases' expert counts do not divide over {gpus} GPUs")
-    out_dir = tmp_path_factory.mktemp("buffer_gpus")
-    run_ranks(gpus, test_torch_buffer._worker, str(out_dir), backend="nccl")
-    return merged_results(out_dir, gpus)
+    return rank_results(tmp_path_factory, gpus, test_torch_buffer._worker, backend="nccl")
 
 
 @pytest.mark.parametrize("check", test_torch_buffer.CHECKS)
@@ -62,14 +63,12 @@ def test_buffer_across_gpus(buffer_results, check):
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     gpus = _gpus()
-    out_dir = tmp_path_factory.mktemp("moe_gpus")
-    run_ranks(gpus, _worker, str(out_dir), GPU_CHECKS, backend="nccl")
-    return gpus, merged_results(out_dir, gpus)
+    return gpus, rank_results(tmp_path_factory, gpus, moe._worker, GPU_CHECKS, backend="nccl")
 
 
 @pytest.mark.parametrize("check", GPU_CHECKS)
 def test_moe_layer_across_gpus(results, check):
     gpus, outcomes = results
-    if check in FOUR_RANKS_ONLY and gpus != 4:
+    if check in moe.FOUR_RANKS_ONLY and gpus != 4:
         pytest.skip("needs exactly 4 GPUs (TP 2 x EP 2)")
     assert_ok(outcomes, check)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from megatron_ext.hybridep import TorchHybridEPBuffer, UnknownHandleLayoutError, dispatch, overflow_flag
 from tests import reference
@@ -45,20 +44,13 @@ def test_twelve_entries_count_before_the_flag(value):  # DeepEP #746
     assert overflow_flag(handle) is flag
 
 
-def test_our_handle_by_name():
+def test_our_handle_by_name(gloo_group):
     gen = torch.Generator().manual_seed(3)
     hidden, maps, probs = reference.random_routing(gen, 1, 8, 4, 2, 16, torch.float32)
-    init = dist.is_initialized()
-    if not init:
-        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
-    try:
-        buf = TorchHybridEPBuffer(dist.group.WORLD, 16, 8, 4)
-        _, _, counts, handle = dispatch(buf, hidden[0], maps[0], probs[0], num_local_experts=4, num_permuted_tokens=4)
-        assert overflow_flag(handle) is handle.overflow_flag
-        assert int(overflow_flag(handle)) == 1  # 8 tokens x top-2 into 4 rows
-    finally:
-        if not init:
-            dist.destroy_process_group()
+    buf = TorchHybridEPBuffer(gloo_group, 16, 8, 4)
+    _, _, counts, handle = dispatch(buf, hidden[0], maps[0], probs[0], num_local_experts=4, num_permuted_tokens=4)
+    assert overflow_flag(handle) is handle.overflow_flag
+    assert int(overflow_flag(handle)) == 1  # 8 tokens x top-2 into 4 rows
 
 
 @pytest.mark.parametrize(

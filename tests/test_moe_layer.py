@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.distributed import Checks, assert_ok, merged_results, run_ranks
+from tests.distributed import Checks, assert_ok, results_fixture
 from tests.megatron_env import FLEX, copy_weights, init_megatron, make_config, moe_layer, run_steps, step_inputs
 
 WORLD_SIZES = (1, 2, 4)
@@ -38,26 +38,6 @@ def _assert_same(expected, actual, exact=True):
                 assert error <= 3e-2, f"step {step}: {what}: relative error {error:.3g} > 3e-2"
             else:
                 torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=f"step {step}: {what}")
-
-
-class _CountAllReduce:
-    """Counts torch.distributed.all_reduce calls while active."""
-
-    def __init__(self):
-        self.calls = 0
-
-    def __enter__(self):
-        self._original = dist.all_reduce
-
-        def counting(*args, **kwargs):
-            self.calls += 1
-            return self._original(*args, **kwargs)
-
-        dist.all_reduce = counting
-        return self
-
-    def __exit__(self, *exc):
-        dist.all_reduce = self._original
 
 
 # --------------------------------------------------------------------------- checks
@@ -154,6 +134,7 @@ def too_small_capacity_fails_loudly(rank, world):
 
 
 def equal_token_counts_skip_the_all_reduce(rank, world):
+    from megatron_ext.bench.counters import count_collectives
     from megatron_ext.tooling.sync import forbid_host_sync
 
     inputs = step_inputs(rank, 3, 30, HIDDEN, seed=4)  # 30 tokens: padded to 64 for HybridEP
@@ -168,27 +149,28 @@ def equal_token_counts_skip_the_all_reduce(rank, world):
     copy_weights(blocking, padded)
     expected = run_steps(blocking, inputs)
     actual = run_steps(equal, inputs[:1])
-    with _CountAllReduce() as equal_calls, forbid_host_sync():
+    with count_collectives() as equal_calls, forbid_host_sync():
         actual += run_steps(equal, inputs[1:])
-    with _CountAllReduce() as padded_calls:
+    with count_collectives() as padded_calls:
         padded_results = run_steps(padded, inputs)
     _assert_same(expected, actual)
     _assert_same(expected, padded_results)
-    assert equal_calls.calls == 0, equal_calls.calls
-    assert padded_calls.calls == len(inputs), padded_calls.calls  # Megatron's way: one per dispatch
+    assert equal_calls.all_reduces == 0, equal_calls
+    assert padded_calls.all_reduces == len(inputs), padded_calls  # Megatron's way: one per dispatch
     assert _manager(equal).routing_map.shape[0] == 64
 
 
 def verify_catches_unequal_counts(rank, world):
+    from megatron_ext.bench.counters import count_collectives
     from megatron_ext.tooling.sync import forbid_host_sync
 
     equal = dict(moe_hybridep_equal_token_counts=True, moe_hybridep_verify_equal_token_counts=True)
     layer = moe_layer(make_config(world, **FLEX, **equal, moe_hybridep_capacity_factor=1.5), experts="grouped")
     inputs = step_inputs(rank, 2, 30, HIDDEN, seed=5)
     run_steps(layer, inputs[:1])  # calibration
-    with _CountAllReduce() as calls, forbid_host_sync():  # the check reads nothing on the host
+    with count_collectives() as calls, forbid_host_sync():  # the check reads nothing on the host
         run_steps(layer, inputs[1:])  # equal counts pass
-    assert calls.calls == 1  # the check's one all-reduce per dispatch
+    assert calls.all_reduces == 1, calls  # the check's one all-reduce per dispatch
     if world == 1:
         return
     with pytest.raises(RuntimeError, match="hold different token counts") as caught:
@@ -354,12 +336,7 @@ def _worker(rank, world_size, out_dir, names=None):
     checks.save(out_dir, rank)
 
 
-@pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda w: f"world{w}")
-def results(request, tmp_path_factory):
-    world_size = request.param
-    out_dir = tmp_path_factory.mktemp(f"moe_world{world_size}")
-    run_ranks(world_size, _worker, str(out_dir))
-    return world_size, merged_results(out_dir, world_size)
+results = results_fixture(_worker, WORLD_SIZES)
 
 
 @pytest.mark.parametrize("check", [c.__name__ for c in CHECKS])

@@ -8,6 +8,7 @@ before any assertion, so a failing check cannot leave the ranks out of step.
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import pytest
@@ -16,7 +17,7 @@ import torch.distributed as dist
 
 from megatron_ext import fused
 from tests import reference
-from tests.distributed import Checks, assert_ok, merged_results, run_ranks
+from tests.distributed import Checks, assert_ok, results_fixture
 
 WORLD_SIZES = (1, 2, 4)
 # (tokens per rank, experts, top-k, pad_multiple, hidden dtype, expert 0 left empty)
@@ -88,8 +89,85 @@ def _cpu(result):
     return {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in result.items()}
 
 
+def _run_checks(checks, functions, values):
+    """Run each check function, passing it the values its parameters name (as pytest passes fixtures)."""
+    for check in functions:
+        checks.run(check.__name__, _call_with, check, values)
+
+
+def _call_with(check, values):
+    check(**{name: values[name] for name in inspect.signature(check).parameters})
+
+
+# ------------------------------------------------------------------ checks of one case
+
+
+def bytes_sent_are_exact_blocking_and_allgather_nonblocking(
+    m, num_tokens, world_size, num_local, num_experts, rank, x, blocking, roomy_run
+):
+    from megatron_ext.hybridep import Traffic
+
+    # Rows this rank sends to other ranks: one per (token, other rank owning one of its experts).
+    owners = m.view(num_tokens, world_size, num_local).any(dim=2)
+    to_others = int(owners.sum() - owners[:, rank].sum())
+    row_bytes, map_bytes = HIDDEN * x.element_size(), (world_size - 1) * num_tokens * num_experts
+    assert blocking["traffic"] == Traffic(map_bytes, to_others * row_bytes, to_others * num_local * 4)
+    others = (world_size - 1) * num_tokens
+    assert roomy_run["traffic"] == Traffic(map_bytes, others * row_bytes, others * num_local * 4)
+
+
+def dispatch_matches_reference(blocking, ref_rows, ref_row_probs, ref_counts, dtype):
+    assert torch.equal(blocking["rows"], ref_rows.to(dtype)), "dispatched rows differ from the reference"
+    assert torch.equal(blocking["row_probs"], ref_row_probs.float()), "dispatched probs differ"
+    assert torch.equal(blocking["counts"], ref_counts), f"{blocking['counts']} != {ref_counts}"
+    assert int(blocking["flag"]) == 0, "blocking dispatch set the overflow flag"
+
+
+def combine_matches_reference(blocking, ref_out, rank, tol):
+    torch.testing.assert_close(blocking["out"].double(), ref_out[rank], **tol)
+
+
+def gradients_match_reference(blocking, ref_grad_x, ref_grad_p, rank, tol):
+    torch.testing.assert_close(blocking["grad_x"].double(), ref_grad_x[rank], **tol)
+    torch.testing.assert_close(blocking["grad_p"].double(), ref_grad_p[rank], **tol)
+
+
+def nonblocking_with_room_is_bitwise_blocking(roomy_run, roomy, blocking, exact_rows, fused_path):
+    rows = roomy_run["rows"]
+    assert rows.shape[0] == roomy, f"{rows.shape[0]} rows, capacity {roomy}"
+    assert torch.equal(rows[:exact_rows], blocking["rows"]), "rows differ from blocking"
+    if not fused_path:  # the fused permute leaves them unwritten (nothing reads them)
+        assert not rows[exact_rows:].any(), "rows past the padded total are not zero"
+    assert torch.equal(roomy_run["row_probs"][:exact_rows], blocking["row_probs"])
+    assert not roomy_run["row_probs"][exact_rows:].any()
+    assert torch.equal(roomy_run["counts"], blocking["counts"])
+    assert int(roomy_run["flag"]) == 0, "overflow flag set with enough capacity"
+    for key in ("out", "grad_x", "grad_p"):
+        assert torch.equal(roomy_run[key], blocking[key]), f"{key} differs from blocking"
+
+
+def too_little_capacity_flags_and_drops_the_tail(tight_run, tight, exact_rows, blocking, expected_truncated):
+    assert int(tight_run["flag"]) == int(exact_rows > tight), f"flag {int(tight_run['flag'])}, {exact_rows} > {tight}"
+    assert torch.equal(tight_run["rows"], blocking["rows"][:tight]), "kept rows are not the blocking head"
+    assert torch.equal(tight_run["row_probs"], blocking["row_probs"][:tight])
+    ends = torch.cumsum(blocking["counts"], 0)
+    expected_counts = ends.clamp(max=tight) - (ends - blocking["counts"]).clamp(max=tight)
+    assert torch.equal(tight_run["counts"], expected_counts), f"{tight_run['counts']} != {expected_counts}"
+    assert torch.equal(tight_run["out"], expected_truncated), "combine of truncated rows is not the blocking head's"
+
+
+CASE_CHECKS = (
+    bytes_sent_are_exact_blocking_and_allgather_nonblocking,
+    dispatch_matches_reference,
+    combine_matches_reference,
+    gradients_match_reference,
+    nonblocking_with_room_is_bitwise_blocking,
+    too_little_capacity_flags_and_drops_the_tail,
+)
+
+
 def _case(checks, rank, world_size, index, case):
-    from megatron_ext.hybridep import TorchHybridEPBuffer, Traffic
+    from megatron_ext.hybridep import TorchHybridEPBuffer
     from megatron_ext.tooling.sync import forbid_host_sync
 
     num_tokens, num_experts, topk, pad_multiple, dtype, empty_expert = case
@@ -127,65 +205,14 @@ def _case(checks, rank, world_size, index, case):
     )
     ref_rows, ref_row_probs, ref_counts = ref_dispatch[rank]
     tol = TOLERANCE[dtype]
+    _run_checks(checks, CASE_CHECKS, locals())
 
-    def dispatch_matches_reference():
-        assert torch.equal(blocking["rows"], ref_rows.to(dtype)), "dispatched rows differ from the reference"
-        assert torch.equal(blocking["row_probs"], ref_row_probs.float()), "dispatched probs differ"
-        assert torch.equal(blocking["counts"], ref_counts), f"{blocking['counts']} != {ref_counts}"
-        assert int(blocking["flag"]) == 0, "blocking dispatch set the overflow flag"
 
-    def combine_matches_reference():
-        torch.testing.assert_close(blocking["out"].double(), ref_out[rank], **tol)
+# ------------------------------------------------------------------ the sync guard
 
-    def gradients_match_reference():
-        torch.testing.assert_close(blocking["grad_x"].double(), ref_grad_x[rank], **tol)
-        torch.testing.assert_close(blocking["grad_p"].double(), ref_grad_p[rank], **tol)
 
-    def nonblocking_with_room_is_bitwise_blocking():
-        rows = roomy_run["rows"]
-        assert rows.shape[0] == roomy, f"{rows.shape[0]} rows, capacity {roomy}"
-        assert torch.equal(rows[:exact_rows], blocking["rows"]), "rows differ from blocking"
-        if not fused_path:  # the fused permute leaves them unwritten (nothing reads them)
-            assert not rows[exact_rows:].any(), "rows past the padded total are not zero"
-        assert torch.equal(roomy_run["row_probs"][:exact_rows], blocking["row_probs"])
-        assert not roomy_run["row_probs"][exact_rows:].any()
-        assert torch.equal(roomy_run["counts"], blocking["counts"])
-        assert int(roomy_run["flag"]) == 0, "overflow flag set with enough capacity"
-        for key in ("out", "grad_x", "grad_p"):
-            assert torch.equal(roomy_run[key], blocking[key]), f"{key} differs from blocking"
-
-    def too_little_capacity_flags_and_drops_the_tail():
-        assert int(tight_run["flag"]) == int(exact_rows > tight), (
-            f"flag {int(tight_run['flag'])}, {exact_rows} > {tight}"
-        )
-        assert torch.equal(tight_run["rows"], blocking["rows"][:tight]), "kept rows are not the blocking head"
-        assert torch.equal(tight_run["row_probs"], blocking["row_probs"][:tight])
-        ends = torch.cumsum(blocking["counts"], 0)
-        expected_counts = ends.clamp(max=tight) - (ends - blocking["counts"]).clamp(max=tight)
-        assert torch.equal(tight_run["counts"], expected_counts), f"{tight_run['counts']} != {expected_counts}"
-        assert torch.equal(tight_run["out"], expected_truncated), "combine of truncated rows is not the blocking head's"
-
-    def bytes_sent_are_exact_blocking_and_allgather_nonblocking():
-        # Rows this rank sends to other ranks: one per (token, other rank owning one of its experts).
-        owners = m.view(num_tokens, world_size, num_local).any(dim=2)
-        to_others = int(owners.sum() - owners[:, rank].sum())
-        row_bytes, map_bytes = HIDDEN * x.element_size(), (world_size - 1) * num_tokens * num_experts
-        assert blocking["traffic"] == Traffic(map_bytes, to_others * row_bytes, to_others * num_local * 4)
-        others = (world_size - 1) * num_tokens
-        assert roomy_run["traffic"] == Traffic(map_bytes, others * row_bytes, others * num_local * 4)
-
-    for name, fn in (
-        (
-            "bytes_sent_are_exact_blocking_and_allgather_nonblocking",
-            bytes_sent_are_exact_blocking_and_allgather_nonblocking,
-        ),
-        ("dispatch_matches_reference", dispatch_matches_reference),
-        ("combine_matches_reference", combine_matches_reference),
-        ("gradients_match_reference", gradients_match_reference),
-        ("nonblocking_with_room_is_bitwise_blocking", nonblocking_with_room_is_bitwise_blocking),
-        ("too_little_capacity_flags_and_drops_the_tail", too_little_capacity_flags_and_drops_the_tail),
-    ):
-        checks.run(name, fn)
+def guard_trips_on_blocking_dispatch(raised):
+    assert raised is not None, "blocking dispatch ran under forbid_host_sync without raising"
 
 
 def _guard_catches_blocking(checks, rank, world_size):
@@ -208,11 +235,36 @@ def _guard_catches_blocking(checks, rank, world_size):
         if "synchronizing CUDA operation" not in str(exc):
             raise
         raised = exc
+    _run_checks(checks, (guard_trips_on_blocking_dispatch,), locals())
 
-    def guard_trips_on_blocking_dispatch():
-        assert raised is not None, "blocking dispatch ran under forbid_host_sync without raising"
 
-    checks.run("guard_trips_on_blocking_dispatch", guard_trips_on_blocking_dispatch)
+# ------------------------------------------------------------------ routing-map buffer reuse
+
+
+def reuse_writes_the_same_storage(pointers, reused, second, map_bytes):
+    assert len(set(pointers[:3])) == 1, f"repeated same-shape gathers moved: {pointers[:3]}"
+    assert pointers[4] == pointers[3], "a smaller gather after growth did not reuse the grown buffer"
+    stats = reused.routing_map_gather.stats
+    assert (stats.gathers, stats.allocations) == (5, 2), f"{stats}: expected 5 gathers, 1 allocation + 1 growth"
+    assert stats.bytes_allocated == map_bytes + 2 * map_bytes, stats
+    assert second.routing_map_gather.stats.allocations == 0, "a second buffer on the group did not share storage"
+    assert second.routing_map_gather.stats.last_data_ptr == pointers[-1]
+
+
+def no_reuse_allocates_every_dispatch(fresh, map_bytes):
+    stats = fresh.routing_map_gather.stats
+    assert (stats.gathers, stats.allocations) == (5, 5), stats
+    assert stats.bytes_allocated == map_bytes * (3 + 2 + 0.5), stats
+
+
+def reuse_does_not_change_results(outputs):
+    for (rows_a, probs_a, counts_a), (rows_b, probs_b, counts_b) in outputs:
+        real = int(counts_a.sum())  # rows past it are unwritten where the fused kernels run
+        assert torch.equal(rows_a[:real], rows_b[:real]) and torch.equal(probs_a, probs_b)
+        assert torch.equal(counts_a, counts_b)
+
+
+REUSE_CHECKS = (reuse_writes_the_same_storage, no_reuse_allocates_every_dispatch, reuse_does_not_change_results)
 
 
 def _reuse(checks, rank, world_size):
@@ -244,33 +296,7 @@ def _reuse(checks, rank, world_size):
         outputs.append(results)
     second.dispatch_with_permute(hidden=hidden[rank], routing_map=maps[rank], probs=probs[rank])
     map_bytes = world_size * num_experts * 16
-
-    def reuse_writes_the_same_storage():
-        assert len(set(pointers[:3])) == 1, f"repeated same-shape gathers moved: {pointers[:3]}"
-        assert pointers[4] == pointers[3], "a smaller gather after growth did not reuse the grown buffer"
-        stats = reused.routing_map_gather.stats
-        assert (stats.gathers, stats.allocations) == (5, 2), f"{stats}: expected 5 gathers, 1 allocation + 1 growth"
-        assert stats.bytes_allocated == map_bytes + 2 * map_bytes, stats
-        assert second.routing_map_gather.stats.allocations == 0, "a second buffer on the group did not share storage"
-        assert second.routing_map_gather.stats.last_data_ptr == pointers[-1]
-
-    def no_reuse_allocates_every_dispatch():
-        stats = fresh.routing_map_gather.stats
-        assert (stats.gathers, stats.allocations) == (5, 5), stats
-        assert stats.bytes_allocated == map_bytes * (3 + 2 + 0.5), stats
-
-    def reuse_does_not_change_results():
-        for (rows_a, probs_a, counts_a), (rows_b, probs_b, counts_b) in outputs:
-            real = int(counts_a.sum())  # rows past it are unwritten where the fused kernels run
-            assert torch.equal(rows_a[:real], rows_b[:real]) and torch.equal(probs_a, probs_b)
-            assert torch.equal(counts_a, counts_b)
-
-    for name, fn in (
-        ("reuse_writes_the_same_storage", reuse_writes_the_same_storage),
-        ("no_reuse_allocates_every_dispatch", no_reuse_allocates_every_dispatch),
-        ("reuse_does_not_change_results", reuse_does_not_change_results),
-    ):
-        checks.run(name, fn)
+    _run_checks(checks, REUSE_CHECKS, locals())
 
 
 def _worker(rank, world_size, out_dir):
@@ -282,31 +308,15 @@ def _worker(rank, world_size, out_dir):
     checks.save(out_dir, rank)
 
 
-@pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda w: f"world{w}")
-def results(request, tmp_path_factory):
-    world_size = request.param
-    out_dir = tmp_path_factory.mktemp(f"world{world_size}")
-    run_ranks(world_size, _worker, str(out_dir))
-    return merged_results(out_dir, world_size)
+results = results_fixture(_worker, WORLD_SIZES)
 
-
-CHECKS = (
-    "bytes_sent_are_exact_blocking_and_allgather_nonblocking",
-    "dispatch_matches_reference",
-    "combine_matches_reference",
-    "gradients_match_reference",
-    "nonblocking_with_room_is_bitwise_blocking",
-    "too_little_capacity_flags_and_drops_the_tail",
-    "guard_trips_on_blocking_dispatch",
-    "reuse_writes_the_same_storage",
-    "no_reuse_allocates_every_dispatch",
-    "reuse_does_not_change_results",
-)
+CHECKS = tuple(check.__name__ for check in (*CASE_CHECKS, guard_trips_on_blocking_dispatch, *REUSE_CHECKS))
 
 
 @pytest.mark.parametrize("check", CHECKS)
 def test_buffer(results, check):
-    assert_ok(results, check)
+    _, outcomes = results
+    assert_ok(outcomes, check)
 
 
 def test_cases_cover_the_issue():
