@@ -1,14 +1,14 @@
 """Sizing rules for capacity-mode dispatch and for padding token counts. Pure functions.
 
-Capacity mode sizes every non-blocking dispatch of a MoE layer to one host integer C, learned
-once from a blocking calibration dispatch:
+Capacity mode sizes every non-blocking dispatch of a MoE layer to one host integer, its
+capacity, learned once from a blocking calibration dispatch:
 
-    C = align(ceil(max over the EP group of P_r x factor))
+    capacity = align(ceil(max over the EP group of rows_r x factor))
 
-where P_r is the number of rows rank r's calibration dispatch produced (padded per expert) and
+where rows_r is the number of rows rank r's calibration dispatch produced (padded per expert) and
 `align` rounds up to a multiple of `capacity_alignment(pad_multiple)`. The product is computed
-exactly on the decimal value of the factor (1.1 x 100 is 110, not 111), and C is never below
-one alignment unit, so a layer calibrated on a batch that routed nothing still runs.
+exactly on the decimal value of the factor (1.1 x 100 is 110, not 111), and the capacity is never
+below one alignment unit, so a layer calibrated on a batch that routed nothing still runs.
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ from __future__ import annotations
 import math
 from fractions import Fraction
 from typing import Optional
+
+from megatron_ext.options import check_capacity_factor
 
 # HybridEP's permute buffers are sized in groups of 4 rows.
 CAPACITY_ALIGNMENT = 4
@@ -40,8 +42,7 @@ def capacity_from_rows(rows: int, factor: float, pad_multiple: Optional[int] = N
     """
     if rows < 0:
         raise ValueError(f"capacity_from_rows: `rows` must be >= 0; got {rows}.")
-    if not (isinstance(factor, (int, float)) and math.isfinite(factor) and factor >= 1.0):
-        raise ValueError(f"capacity_from_rows: `factor` must be a finite number >= 1.0; got {factor}.")
+    check_capacity_factor(factor, "capacity_from_rows: `factor`")
     alignment = capacity_alignment(pad_multiple)
     scaled = math.ceil(rows * Fraction(str(factor)))
     return max(round_up(scaled, alignment), alignment)

@@ -9,7 +9,7 @@ from the parsed arguments. Code that builds its config by hand can instantiate t
 # No `from __future__ import annotations` here: Megatron's ArgumentGroupFactory turns these
 # annotations into argparse types and needs them evaluated.
 from dataclasses import dataclass, fields
-from typing import Literal, Optional
+from typing import Optional
 
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
@@ -45,12 +45,12 @@ class HybridEPTransformerConfig(TransformerConfig):
     allocation per dispatch). With deep_ep, its persistent all-gather buffer is used where the
     topology allows (one node, 16-byte aligned rows) and the plain all-gather elsewhere."""
 
-    moe_hybridep_implementation: Literal["auto", "deep_ep", "torch"] = "auto"
+    moe_hybridep_implementation: options.Implementation = options.AUTO
     """[megatron-ext] Which HybridEP buffer dispatches tokens: deep_ep (DeepEP's hybrid-ep
     kernels), torch (megatron-ext's implementation on torch.distributed, any GPU or CPU), or
     auto (deep_ep where its HybridEPBuffer imports, torch otherwise)."""
 
-    moe_hybridep_overflow_policy: Literal["rerun", "fail"] = "rerun"
+    moe_hybridep_overflow_policy: options.OverflowPolicy = "rerun"
     """[megatron-ext] What a capacity-mode overflow does in Megatron's training loop. rerun: the
     step's overflow is recorded on the device and checked once at its end (one all-reduce for the
     model); if any dispatch overflowed, the step's gradients are discarded, the same micro-batches

@@ -11,14 +11,19 @@ deep_ep installed it is Megatron's own `MoEFlexTokenDispatcher`, unchanged. Othe
   64: no collective, no host read; `--moe-hybridep-verify-equal-token-counts` adds a device-side
   check of that declaration (one small all-reduce, no host read).
 * Capacity mode (`--moe-hybridep-capacity-factor f`). The first dispatch of each layer is blocking
-  and learns its row count P; the layer's capacity becomes `capacity_from_rows(EP-group max of P,
-  f)`, read on the host once. Every later dispatch is non-blocking at that capacity and asserts on
-  the device that nothing overflowed (`torch._assert_async`), so a too-small capacity fails the
-  step instead of training on truncated tokens. Combine gets the dispatch's host-known row count,
-  so its backward dispatch is non-blocking too, even after the blocking calibration dispatch.
+  and learns its rows (the padded row count it produced); the layer's capacity becomes
+  `capacity_from_rows(EP-group max of rows, f)`, read on the host once. Every later dispatch is
+  non-blocking at that capacity and asserts on the device that nothing overflowed
+  (`torch._assert_async`), so a too-small capacity fails the step instead of training on
+  truncated tokens. Combine gets the dispatch's host-known capacity (after a blocking dispatch,
+  its rows), so its backward dispatch is non-blocking too, even after the blocking calibration.
 * Recompute. A forward that ran without grad (Megatron's activation checkpointing) is replayed in
   the backward; if it was the calibration dispatch, the replay is blocking again, so the
-  recomputed layer has the extent the forward had.
+  recomputed layer has the rows the forward had.
+
+Names: a layer's `capacity` is the host int its non-blocking dispatches are sized to (DeepEP's
+`num_permuted_tokens`, used only in calls into a buffer); `rows` are the rows a dispatch really
+produced (padded per expert), at most its capacity.
 """
 
 from __future__ import annotations
@@ -36,9 +41,10 @@ from megatron.core.transformer.moe.token_dispatcher import MoEFlexTokenDispatche
 from megatron_ext.capacity import capacity_from_rows, equal_count_padding
 from megatron_ext.hybridep import autograd, overflow_flag
 from megatron_ext.hybridep.buffers import get_buffer
+from megatron_ext.hybridep.protocol import Handle, HybridEPBuffer
 from megatron_ext.options import HybridEPOptions, flag, resolve_implementation, validate
 
-logger = logging.getLogger("megatron_ext")
+logger = logging.getLogger(__name__)
 
 # HybridEP's kernels work on 64-token chunks; Megatron pads uneven inputs to this too.
 TOKEN_ALIGNMENT = 64
@@ -64,9 +70,11 @@ class DispatchStats:
 class InFlight:
     """What a combine needs from its dispatch."""
 
-    buffer: Any
-    handle: Any
-    num_permuted_tokens: int  # rows the dispatch produced, a host int (its backward reuses it)
+    buffer: HybridEPBuffer
+    handle: Handle
+    # The dispatch's output rows, a host int: the layer's capacity, or after a blocking dispatch
+    # its rows. Combine's backward dispatches non-blocking with it as its capacity.
+    capacity: int
     num_tokens: int  # this rank's tokens before padding
 
 
@@ -135,7 +143,8 @@ class HybridEPCapacityManager:
         self.layer_number: Optional[int] = None  # Megatron's, set by the MoELayer patch
         self._inflight: Optional[InFlight] = None
         self._num_tokens = 0  # this rank's tokens in the current dispatch, before padding
-        self.last_buffer: Any = None  # the buffer of the latest dispatch (its statistics: tests, the bench)
+        # The buffer of the latest dispatch (its statistics: tests, the bench).
+        self.last_buffer: Optional[HybridEPBuffer] = None
         self.routing_map: Optional[torch.Tensor] = None
         self.token_probs: Optional[torch.Tensor] = None
         self.dispatched_probs: Optional[torch.Tensor] = None
@@ -186,7 +195,8 @@ class HybridEPCapacityManager:
         self._num_tokens = num_tokens
 
     def dispatch(self, hidden_states: torch.Tensor, async_finish: bool = True, allocate_on_comm_stream: bool = True):
-        """Dispatch `[T, H]` tokens; returns `[P, H]` rows grouped by local expert."""
+        """Dispatch `[T, H]` tokens; returns `[capacity, H]` rows grouped by local expert (`[rows, H]`
+        for a blocking dispatch)."""
         padded = self.routing_map.shape[0]
         if padded > hidden_states.shape[0]:
             hidden_states = torch.nn.functional.pad(hidden_states, (0, 0, 0, padded - hidden_states.shape[0]))
@@ -199,41 +209,42 @@ class HybridEPCapacityManager:
             reuse_allgather_buffer=self.options.reuse_allgather_buffer,
         )
         self.last_buffer = buffer
-        extent = self._extent()
-        rows, self.dispatched_probs, self.tokens_per_expert, handle = autograd.dispatch(
+        capacity = self._dispatch_capacity()
+        dispatched, self.dispatched_probs, self.tokens_per_expert, handle = autograd.dispatch(
             buffer,
             hidden_states,
             self.routing_map,
             self.token_probs,
             num_local_experts=self.num_local_experts,
-            num_permuted_tokens=extent,
+            num_permuted_tokens=capacity,
             pad_multiple=self.pad_multiple,
         )
-        if extent is None:
+        if capacity is None:
             self.stats.blocking_dispatches += 1
-            extent = rows.shape[0]  # known on the host once a blocking dispatch returns
-            self.blocking_rows_max = max(self.blocking_rows_max, extent)
+            rows = dispatched.shape[0]  # known on the host once a blocking dispatch returns
+            self.blocking_rows_max = max(self.blocking_rows_max, rows)
             if self.capacity is not None and self.log_metrics:  # a re-run: rows against the capacity outgrown
-                self._record_capacity_use(torch.full((), extent, dtype=torch.float32, device=rows.device))
+                self._record_capacity_use(torch.full((), rows, dtype=torch.float32, device=dispatched.device))
             if self.options.capacity_factor is not None and self.capacity is None:
-                self._calibrate(extent, rows.device)
+                self._calibrate(rows, dispatched.device)
+            capacity = rows  # combine's backward dispatches exactly these rows, non-blocking
         else:
             self.stats.non_blocking_dispatches += 1
             self._assert_no_overflow(handle)
-            used = self.tokens_per_expert.sum()
-            self.rows_used = used if self.rows_used is None else torch.maximum(self.rows_used, used)
-            self._record_capacity_use(used)
-        self._inflight = InFlight(buffer, handle, extent, self._num_tokens)
-        return rows
+            device_rows = self.tokens_per_expert.sum()  # the rows it produced, on the device (never read here)
+            self.rows_used = device_rows if self.rows_used is None else torch.maximum(self.rows_used, device_rows)
+            self._record_capacity_use(device_rows)
+        self._inflight = InFlight(buffer, handle, capacity, self._num_tokens)
+        return dispatched
 
     def combine(self, hidden_states: torch.Tensor, async_finish: bool = True, allocate_on_comm_stream: bool = True):
-        """Return `[P, H]` expert outputs to their tokens: `[T, H]`."""
+        """Return `[capacity, H]` expert outputs to their tokens: `[T, H]`."""
         inflight, self._inflight = self._inflight, None
         tokens = autograd.combine(
             inflight.buffer,
             hidden_states,
             inflight.handle,
-            num_permuted_tokens=inflight.num_permuted_tokens,
+            num_permuted_tokens=inflight.capacity,
             pad_multiple=self.pad_multiple,
         )
         return tokens[: inflight.num_tokens]
@@ -249,8 +260,8 @@ class HybridEPCapacityManager:
 
     # ----------------------------------------------------------- capacity mode
 
-    def _extent(self) -> Optional[int]:
-        """None for a blocking dispatch, else the capacity to dispatch non-blocking with."""
+    def _dispatch_capacity(self) -> Optional[int]:
+        """The capacity to dispatch non-blocking with, or None for a blocking dispatch."""
         if self.capacity is None or self.force_blocking:
             return None
         if self._recompute_blocking and in_backward():
@@ -335,7 +346,7 @@ class HybridEPCapacityManager:
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
 
-    def _assert_no_overflow(self, handle: Any) -> None:
+    def _assert_no_overflow(self, handle: Handle) -> None:
         overflow = overflow_flag(handle)
         count = overflow.reshape(()).to(torch.int64)
         self.overflows = count if self.overflows is None else self.overflows + count

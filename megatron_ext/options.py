@@ -9,11 +9,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
-from typing import Any, Literal, Optional
+from typing import Any, Final, Literal, Optional, get_args
 
+# The one list of implementation names: `--moe-hybridep-implementation`'s choices (config.py
+# annotates its field with `Implementation`, which Megatron's parser turns into the choices),
+# the check below, and, less "auto", the buffers `megatron_ext.hybridep.buffers` builds.
 Implementation = Literal["auto", "deep_ep", "torch"]
-IMPLEMENTATIONS: tuple[str, ...] = ("auto", "deep_ep", "torch")
-OVERFLOW_POLICIES: tuple[str, ...] = ("rerun", "fail")
+IMPLEMENTATIONS: tuple[str, ...] = get_args(Implementation)
+AUTO: Final = "auto"
+BUFFER_IMPLEMENTATIONS: tuple[str, ...] = tuple(name for name in IMPLEMENTATIONS if name != AUTO)
+OverflowPolicy = Literal["rerun", "fail"]
+OVERFLOW_POLICIES: tuple[str, ...] = get_args(OverflowPolicy)
 
 
 class HybridEPConfigError(ValueError):
@@ -33,8 +39,8 @@ class HybridEPOptions:
     equal_token_counts: bool = False
     verify_equal_token_counts: bool = False
     reuse_allgather_buffer: bool = False
-    implementation: str = "auto"
-    overflow_policy: str = "rerun"
+    implementation: Implementation = AUTO
+    overflow_policy: OverflowPolicy = "rerun"
 
     @classmethod
     def from_config(cls, config: Any) -> HybridEPOptions:
@@ -58,6 +64,27 @@ CONFIG_PREFIX = "moe_hybridep_"
 OPTION_NAMES: tuple[str, ...] = tuple(f.name for f in fields(HybridEPOptions))
 
 
+CAPACITY_FACTOR_FLAG = flag(CONFIG_PREFIX + "capacity_factor")
+
+
+def check_capacity_factor(factor: Any, name: str = CAPACITY_FACTOR_FLAG) -> float:
+    """`factor` if it is a finite number >= 1.0 (a capacity that cannot drop tokens), else raise.
+
+    The one check of a capacity factor: the config, the argument parsers (Megatron's, the bench's,
+    the round trip's) and `capacity_from_rows` all call it. Raises `HybridEPConfigError` (a
+    ValueError) naming `name`, the flag or argument the factor came from, and the fix.
+    """
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not math.isfinite(factor):
+        raise HybridEPConfigError(f"{name} must be a finite number >= 1.0; got {factor!r}.")
+    if factor < 1.0:
+        unset = ", or leave it unset for the blocking dispatch" if name == CAPACITY_FACTOR_FLAG else ""
+        raise HybridEPConfigError(
+            f"{name} {factor} would drop tokens; use >= 1.0 (1.5 leaves room for routing to drift after "
+            f"calibration){unset}."
+        )
+    return factor
+
+
 def deep_ep_import_error() -> Optional[str]:
     """None when `deep_ep.HybridEPBuffer` imports, else why not (imported lazily, here only)."""
     try:
@@ -69,7 +96,7 @@ def deep_ep_import_error() -> Optional[str]:
 
 def resolve_implementation(requested: str) -> str:
     """'deep_ep' or 'torch': 'auto' picks deep_ep where its HybridEPBuffer imports."""
-    if requested == "auto":
+    if requested == AUTO:
         return "deep_ep" if deep_ep_import_error() is None else "torch"
     return requested
 
@@ -93,7 +120,7 @@ def validate(config: Any) -> HybridEPOptions:
     if options.overflow_policy != "rerun" and options.capacity_factor is None:
         raise HybridEPConfigError(
             f"{flag('moe_hybridep_overflow_policy')} {options.overflow_policy} says what a capacity-mode "
-            f"overflow does; set {flag('moe_hybridep_capacity_factor')} too, or drop it."
+            f"overflow does; set {CAPACITY_FACTOR_FLAG} too, or drop it."
         )
     set_flags = options.set_flags()
     if not set_flags:
@@ -109,16 +136,9 @@ def validate(config: Any) -> HybridEPOptions:
             f"{', '.join(set_flags)}."
         )
 
-    factor = options.capacity_factor
-    if factor is not None:
-        capacity = flag("moe_hybridep_capacity_factor")
-        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not math.isfinite(factor):
-            raise HybridEPConfigError(f"{capacity} must be a finite number >= 1.0; got {factor!r}.")
-        if factor < 1.0:
-            raise HybridEPConfigError(
-                f"{capacity} {factor} would drop tokens; use >= 1.0 (1.5 leaves room for routing "
-                "to drift after calibration), or leave it unset for the blocking dispatch."
-            )
+    if options.capacity_factor is not None:
+        check_capacity_factor(options.capacity_factor)
+        capacity = CAPACITY_FACTOR_FLAG
         if getattr(config, "moe_expert_rank_capacity_factor", None) is not None:
             raise HybridEPConfigError(
                 f"{capacity} and --moe-expert-rank-capacity-factor both size the HybridEP dispatch; "

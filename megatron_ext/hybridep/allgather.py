@@ -46,17 +46,17 @@ class RoutingMapGather:
         self.reuse = reuse
         self.stats = GatherStats()
 
-    def _output(self, num_rows: int, num_experts: int, device: torch.device) -> torch.Tensor:
-        numel = num_rows * num_experts
+    def _output(self, map_rows: int, num_experts: int, device: torch.device) -> torch.Tensor:
+        numel = map_rows * num_experts
         if not self.reuse:
             self._count_allocation(numel)
-            return torch.empty(num_rows, num_experts, dtype=torch.bool, device=device)
+            return torch.empty(map_rows, num_experts, dtype=torch.bool, device=device)
         storage = _SHARED_STORAGE.get(self.group)
         if storage is None or storage.numel() < numel or storage.device != device:
             storage = torch.empty(numel, dtype=torch.bool, device=device)
             _SHARED_STORAGE[self.group] = storage
             self._count_allocation(numel)
-        return storage[:numel].view(num_rows, num_experts)
+        return storage[:numel].view(map_rows, num_experts)
 
     def _count_allocation(self, numel: int) -> None:
         self.stats.allocations += 1

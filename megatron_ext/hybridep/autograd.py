@@ -1,28 +1,33 @@
 """Autograd for any HybridEP buffer (ours or deep_ep's): dispatch and combine as each other's backward.
 
 The backward of dispatch is combine with the same handle; the backward of combine is dispatch
-with the same handle, non-blocking, sized by the forward's `num_permuted_tokens` (the rows' count
-after a blocking dispatch), so no step has a host read in its backward.
+with the same handle, non-blocking, sized by the forward dispatch's capacity (after a blocking
+dispatch, the rows it produced), so no step has a host read in its backward.
+
+`num_permuted_tokens`, the keyword of `dispatch` and `combine`, is DeepEP's name for the
+capacity, kept here as in the buffer calls these functions wrap (`protocol.HybridEPBuffer`).
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Optional
 
 import torch
+
+from megatron_ext.hybridep.protocol import Handle, HybridEPBuffer
 
 
 class _Dispatch(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, probs, buffer, routing_map, num_local_experts, num_permuted_tokens, pad_multiple):
+    def forward(ctx, hidden, probs, buffer: HybridEPBuffer, routing_map, num_local_experts, capacity, pad_multiple):
         rows, row_probs, _, tokens_per_expert, handle = buffer.dispatch_with_permute(
             hidden=hidden,
             routing_map=routing_map,
             probs=probs,
             num_of_experts_per_rank=num_local_experts,
-            num_permuted_tokens=num_permuted_tokens,
+            num_permuted_tokens=capacity,
             pad_multiple=pad_multiple,
-            non_blocking=num_permuted_tokens is not None,
+            non_blocking=capacity is not None,
         )
         ctx.buffer, ctx.handle, ctx.pad_multiple = buffer, handle, pad_multiple
         ctx.rows_shape, ctx.rows_dtype = rows.shape, rows.dtype
@@ -44,12 +49,13 @@ class _Dispatch(torch.autograd.Function):
 
 class _Combine(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, rows, buffer, handle, num_permuted_tokens, pad_multiple):
+    def forward(ctx, rows, buffer: HybridEPBuffer, handle: Handle, capacity, pad_multiple):
         tokens, _ = buffer.combine_with_unpermute(hidden=rows, handle=handle, pad_multiple=pad_multiple)
         ctx.buffer, ctx.handle = buffer, handle
-        # After a blocking dispatch the rows' count is a host int already: the backward dispatches
-        # with it (deep_ep's buffer refuses a handle with num_permuted_tokens=None).
-        ctx.num_permuted_tokens = rows.shape[0] if num_permuted_tokens is None else num_permuted_tokens
+        # After a blocking dispatch its rows are counted on the host already: the backward
+        # dispatches with that many as its capacity (deep_ep's buffer refuses a handle with
+        # num_permuted_tokens=None).
+        ctx.capacity = rows.shape[0] if capacity is None else capacity
         ctx.pad_multiple = pad_multiple
         return tokens
 
@@ -58,7 +64,7 @@ class _Combine(torch.autograd.Function):
         grad_rows, _, _, _, _ = ctx.buffer.dispatch_with_permute(
             hidden=grad_tokens.contiguous(),
             handle=ctx.handle,
-            num_permuted_tokens=ctx.num_permuted_tokens,
+            num_permuted_tokens=ctx.capacity,
             pad_multiple=ctx.pad_multiple,
             non_blocking=True,
         )
@@ -66,7 +72,7 @@ class _Combine(torch.autograd.Function):
 
 
 def dispatch(
-    buffer: Any,
+    buffer: HybridEPBuffer,
     hidden: torch.Tensor,
     routing_map: torch.Tensor,
     probs: Optional[torch.Tensor],
@@ -74,28 +80,30 @@ def dispatch(
     num_local_experts: int,
     num_permuted_tokens: Optional[int] = None,
     pad_multiple: Optional[int] = None,
-):
+) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor, Handle]:
     """Differentiable `buffer.dispatch_with_permute`: gradients reach `hidden` and `probs`.
 
     Args:
         hidden: `[T, H]`; routing_map: `[T, E]` bool; probs: `[T, E]` float32 or None.
-        num_permuted_tokens: None (blocking) or a host int capacity (non-blocking).
+        num_permuted_tokens: the capacity: None (a blocking dispatch, sized to the rows it
+            produces) or a host int (non-blocking, exactly that many rows).
 
     Returns:
-        `(rows [P, H], row_probs [P] or None, tokens_per_expert [L], handle)`.
+        `(rows [capacity, H], row_probs [capacity] float32 or None, tokens_per_expert [L] int64,
+        handle)`; after a blocking dispatch the capacity is its rows, `rows.shape[0]`.
     """
     return _Dispatch.apply(hidden, probs, buffer, routing_map, num_local_experts, num_permuted_tokens, pad_multiple)
 
 
 def combine(
-    buffer: Any,
+    buffer: HybridEPBuffer,
     rows: torch.Tensor,
-    handle: Any,
+    handle: Handle,
     *,
     num_permuted_tokens: Optional[int] = None,
     pad_multiple: Optional[int] = None,
 ) -> torch.Tensor:
-    """Differentiable `buffer.combine_with_unpermute`: `[P, H]` rows back to `[T, H]` tokens.
+    """Differentiable `buffer.combine_with_unpermute`: `[capacity, H]` rows back to `[T, H]` tokens.
 
     `num_permuted_tokens` is the dispatch's host int capacity (None after a blocking dispatch: the
     rows' count is used); the backward dispatches non-blocking with it.

@@ -8,16 +8,17 @@ a dispatch brings a wider hidden size or more tokens per rank than it was built 
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 import torch.distributed as dist
 
+from megatron_ext.hybridep.protocol import HybridEPBuffer
 from megatron_ext.hybridep.torch_buffer import TorchHybridEPBuffer
+from megatron_ext.options import BUFFER_IMPLEMENTATIONS
 
-logger = logging.getLogger("megatron_ext")
+logger = logging.getLogger(__name__)
 
 # key -> (buffer, hidden_dim, tokens per rank it was built for)
-_BUFFERS: dict[tuple, tuple[Any, int, int]] = {}
+_BUFFERS: dict[tuple, tuple[HybridEPBuffer, int, int]] = {}
 # (group, tokens per rank) whose fall-back to deep_ep's plain all-gather was logged
 _PLAIN_GATHER_LOGGED: set[tuple] = set()
 
@@ -30,8 +31,9 @@ def get_buffer(
     num_tokens: int,
     num_local_experts: int,
     reuse_allgather_buffer: bool,
-) -> Any:
-    """The shared buffer for these arguments (`implementation` is 'torch' or 'deep_ep').
+) -> HybridEPBuffer:
+    """The shared buffer for these arguments (`implementation`: one of `BUFFER_IMPLEMENTATIONS`,
+    'deep_ep' or 'torch', as `options.resolve_implementation` gives).
 
     deep_ep's persistent all-gather buffer asserts, at every dispatch, that each rank's routing map
     is a multiple of 16 bytes. A buffer built for T tokens serves any smaller count, so the check
@@ -55,6 +57,7 @@ def get_buffer(
     cached = _BUFFERS.get(key)
     if cached is not None and cached[1] == hidden_dim and cached[2] >= num_tokens:
         return cached[0]
+    buffer: HybridEPBuffer
     if implementation == "torch":
         buffer = TorchHybridEPBuffer(
             group, hidden_dim, num_tokens, num_local_experts, reuse_allgather_buffer=reuse_allgather_buffer
@@ -66,7 +69,9 @@ def get_buffer(
             group, hidden_dim, num_tokens, num_local_experts, reuse_allgather_buffer=reuse_allgather_buffer
         )
     else:
-        raise ValueError(f"HybridEP implementation must be 'torch' or 'deep_ep'; got {implementation!r}.")
+        raise ValueError(
+            f"HybridEP implementation must be one of {', '.join(BUFFER_IMPLEMENTATIONS)}; got {implementation!r}."
+        )
     logger.info(
         "megatron-ext: %s HybridEP buffer for %d ranks, hidden %d, %d tokens per rank, %d local experts.",
         implementation,

@@ -17,7 +17,9 @@ from typing import Any
 
 import torch.distributed as dist
 
-logger = logging.getLogger("megatron_ext")
+from megatron_ext.hybridep.protocol import HybridEPBuffer
+
+logger = logging.getLogger(__name__)
 
 # deep_ep's custom all-gather copies rows in 16-byte units.
 CUSTOM_ALLGATHER_ALIGNMENT = 16
@@ -55,7 +57,7 @@ def create_deep_ep_buffer(
     num_local_experts: int,
     *,
     reuse_allgather_buffer: bool,
-) -> Any:
+) -> HybridEPBuffer:
     """A `deep_ep.HybridEPBuffer` for `group`, with the persistent all-gather where asked and allowed."""
     from deep_ep import HybridEPBuffer
 

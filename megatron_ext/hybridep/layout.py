@@ -6,8 +6,8 @@ bitwise equal wherever both exist.
 
 The layout, for a rank that owns L local experts: for each local expert e in order, the tokens
 routed to e in ascending global index, then zero rows up to a multiple of `pad_multiple`;
-segments back to back; only the first `num_rows` rows exist (a capacity truncates the tail,
-last expert first).
+segments back to back, in an output of `capacity` rows: a capacity above the padded total leaves
+spare rows at the end, one below it truncates the tail, last expert first.
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ import torch
 class ExpertLayout:
     """The output rows of one dispatch on one rank.
 
-    row_code: `[num_rows]` int64, `g * L + e` for the row holding token g for local expert e, and
+    row_code: `[capacity]` int64, `g * L + e` for the row holding token g for local expert e, and
         `N * L` (token N, which does not exist) for padding rows and rows past the padded total.
-    tokens_per_expert: `[L]` int64, padded segment lengths, truncated to `num_rows`.
-    overflow: `[1]` int32, 1 when the padded total exceeds `num_rows`.
+    tokens_per_expert: `[L]` int64, padded segment lengths, truncated to `capacity`.
+    overflow: `[1]` int32, 1 when the padded total exceeds `capacity`.
     """
 
     row_code: torch.Tensor
@@ -47,16 +47,17 @@ def padded_counts(local_map: torch.Tensor, pad_multiple: Optional[int]) -> torch
 
 def expert_layout(
     local_map: torch.Tensor,
-    num_rows: int,
+    capacity: int,
     pad_multiple: Optional[int],
     counts: Optional[torch.Tensor] = None,
 ) -> ExpertLayout:
-    """Place the routed (token, local expert) pairs of `local_map` into `num_rows` output rows.
+    """Place the routed (token, local expert) pairs of `local_map` into `capacity` output rows.
 
     Args:
         local_map: `[N, L]` bool, the gathered routing map restricted to this rank's experts; row
             g is the token with global index g (source_rank * T + t).
-        num_rows: host integer, the number of output rows (exact total or a capacity).
+        capacity: host integer, the number of output rows: a dispatch's capacity, or the exact
+            padded total for a blocking dispatch sized to its rows.
         pad_multiple: pad each expert's segment to a multiple of this (None: no padding).
         counts: `padded_counts(local_map, pad_multiple)` when the caller has it already.
     """
@@ -71,14 +72,14 @@ def expert_layout(
     by_expert = local_map.t().contiguous()
     position = torch.cumsum(by_expert, dim=1, dtype=torch.int64)
     position += (ends - counts - 1).unsqueeze(1)
-    # Pairs that are not routed or fall past num_rows all land in one spare row, cut off below.
-    position.masked_fill_(position.ge(num_rows).logical_or_(by_expert.logical_not()), num_rows)
+    # Pairs that are not routed or fall past the capacity all land in one spare row, cut off below.
+    position.masked_fill_(position.ge(capacity).logical_or_(by_expert.logical_not()), capacity)
     device = local_map.device
     codes = torch.arange(num_tokens, device=device).mul_(num_local).unsqueeze(0) + torch.arange(
         num_local, device=device
     ).unsqueeze(1)  # [L, N]: g * L + e
-    row_code = torch.full((num_rows + 1,), num_tokens * num_local, dtype=torch.int64, device=device)
+    row_code = torch.full((capacity + 1,), num_tokens * num_local, dtype=torch.int64, device=device)
     row_code.scatter_(0, position.view(-1), codes.view(-1))
-    tokens_per_expert = ends.clamp(max=num_rows) - (ends - counts).clamp_(max=num_rows)
-    overflow = ends[-1:].gt(num_rows).to(torch.int32)
-    return ExpertLayout(row_code[:num_rows], tokens_per_expert, overflow)
+    tokens_per_expert = ends.clamp(max=capacity) - (ends - counts).clamp_(max=capacity)
+    overflow = ends[-1:].gt(capacity).to(torch.int32)
+    return ExpertLayout(row_code[:capacity], tokens_per_expert, overflow)

@@ -10,11 +10,12 @@ How tokens move (W ranks, T tokens per rank, rank r owns experts [r * L, (r + 1)
 * Blocking (`num_permuted_tokens=None`): one host read of a few counts, then an exact
   all-to-all: each token travels once to each rank that owns one of its experts, with the
   float32 probs of that rank's experts beside it.
-* Non-blocking (`num_permuted_tokens=C`): no count reaches the host, so every collective has a
+* Non-blocking (`num_permuted_tokens=capacity`): no count reaches the host, so every collective has a
   shape the host already knows: hidden states are all-gathered (W x T rows received per rank
   instead of the exact T x k_r, k_r the mean number of ranks a token goes to) and the probs of
   each rank's own experts travel in equal all-to-all slabs (W x T x L floats per rank). The
-  output is C rows; experts past C are truncated last expert first and flagged in the handle.
+  output has `capacity` rows; experts past them are truncated last expert first and flagged in
+  the handle.
 * Combine reduces each token's rows on the expert's rank first (float32, in expert order),
   sends one partial per (token, rank) back, and sums the partials in rank order (float32).
   Both modes add the same numbers in the same order, so their results are bitwise equal.
@@ -46,20 +47,20 @@ class HybridEPHandle(NamedTuple):
     Index 10 is the overflow flag, as in deep_ep's handle (Megatron reads it by position).
     """
 
-    row_slot: torch.Tensor  # [P] int64: receive slot of each output row (num_slots = zero row)
-    row_prob_index: torch.Tensor  # [P] int64: each row's place in the flat [num_slots + 1, L] probs
+    row_slot: torch.Tensor  # [capacity] int64: receive slot of each output row (num_slots = zero row)
+    row_prob_index: torch.Tensor  # [capacity] int64: each row's place in the flat [num_slots + 1, L] probs
     num_slots: int  # receive slots: exact received tokens (blocking) or W * T (non-blocking)
     send_token: Optional[torch.Tensor]  # blocking: [S] int64 token of each sent row, by destination
     send_dest: Optional[torch.Tensor]  # blocking: [S] int64 destination rank of each sent row
     send_splits: Optional[tuple[int, ...]]  # blocking: rows sent to each rank
     recv_splits: Optional[tuple[int, ...]]  # blocking: rows received from each rank
     num_tokens: int  # T, tokens per rank at dispatch
-    num_permuted_tokens: int  # P, output rows (exact padded total, or the capacity)
+    capacity: int  # output rows: the capacity asked for, or (blocking without one) the exact padded total
     non_blocking: bool
     overflow_flag: torch.Tensor  # [1] int32; written in both modes, 0 unless truncated
-    tokens_per_expert: torch.Tensor  # [L] int64 padded counts, truncated to P
+    tokens_per_expert: torch.Tensor  # [L] int64 padded counts, truncated to the capacity
     pad_multiple: Optional[int]
-    real_rows: torch.Tensor  # [1] int64: sum(tokens_per_expert), the rows that exist (<= P), on the device
+    real_rows: torch.Tensor  # [1] int64: sum(tokens_per_expert), the rows that exist (<= capacity), on the device
     slot_rows: Optional[torch.Tensor]  # fused kernels only: [num_slots, L] int32, row of (slot, expert) or -1
     token_rows: Optional[
         torch.Tensor
@@ -88,10 +89,10 @@ def _describe(t: Optional[torch.Tensor]) -> str:
     return "None" if t is None else f"{t.dtype} tensor of shape {tuple(t.shape)}"
 
 
-def _with_zero_row(num_rows: int, width: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """`[num_rows + 1, width]` uninitialised but for a last row of zeros (read by padding rows)."""
-    out = torch.empty(num_rows + 1, width, dtype=dtype, device=device)
-    out[num_rows].zero_()
+def _with_zero_row(num_slots: int, width: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """`[num_slots + 1, width]` uninitialised but for a last row of zeros (read by padding rows)."""
+    out = torch.empty(num_slots + 1, width, dtype=dtype, device=device)
+    out[num_slots].zero_()
     return out
 
 
@@ -150,6 +151,10 @@ def _accumulate(out: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> t
 
 class TorchHybridEPBuffer:
     """`deep_ep.HybridEPBuffer` on torch.distributed.
+
+    It satisfies `megatron_ext.hybridep.protocol.HybridEPBuffer` structurally (the calls
+    megatron-ext makes on any HybridEP buffer, keyword-only as in DeepEP), and takes the rest of
+    deep_ep's `dispatch_with_permute` keywords too.
 
     The constructor takes deep_ep's arguments; the kernel-tuning ones (`num_sms_*`,
     `num_blocks_*`, `load_cached_kernels`, `use_shared_buffer`) have no meaning here and are
@@ -222,7 +227,7 @@ class TorchHybridEPBuffer:
         handle: Optional[HybridEPHandle] = None,
         non_blocking: bool = False,
         fuse_permute_dispatch: bool = False,
-    ):
+    ) -> tuple[torch.Tensor, Optional[torch.Tensor], None, torch.Tensor, HybridEPHandle]:
         """Send each token to the ranks of its experts, grouped by local expert.
 
         Args:
@@ -231,20 +236,21 @@ class TorchHybridEPBuffer:
                 (with `num_of_experts`) and `topk_weights` `[T, K]` float32.
             probs: `[T, E]` float32 routing probabilities, or None.
             num_of_experts_per_rank: local experts per rank (default: the constructor's).
-            num_permuted_tokens: None for a blocking dispatch (exact size, one host read); a host
-                int C (a multiple of `pad_multiple`) for exactly C rows, truncated and flagged
-                when too few (also with non_blocking=False, which still reads counts on the host).
-                With a handle, the handle's size is used and an int must match it; a tensor
-                (stock Megatron passes one) is never read.
+            num_permuted_tokens: the capacity (DeepEP's name): None for a blocking dispatch (exact
+                size, one host read); a host int (a multiple of `pad_multiple`) for exactly that
+                many rows, truncated and flagged when too few (also with non_blocking=False, which
+                still reads counts on the host). With a handle, the handle's size is used and an
+                int must match it; a tensor (stock Megatron passes one) is never read.
             pad_multiple: pad each expert's rows to a multiple of this (None: no padding).
             handle: a handle from an earlier dispatch; reuse its layout (no routing needed).
             non_blocking: True requires `num_permuted_tokens`; nothing is read on the host.
 
         Returns:
-            `(tokens [P, H], probs [P] float32 or None, None, tokens_per_expert [L] int64, handle)`
-            where P is the padded total (blocking) or C; rows past the padded total are zero on
-            CPU and unwritten on a GPU. `handle.overflow_flag` (index 10) is 1 when the padded
-            total exceeded C and the tail was dropped.
+            `(rows [capacity, H], probs [capacity] float32 or None, None, tokens_per_expert [L]
+            int64, handle)` where the capacity is `num_permuted_tokens`, or the padded total
+            (blocking without one); rows past the padded total are zero on CPU and unwritten on a
+            GPU. `handle.overflow_flag` (index 10) is 1 when the padded total exceeded the
+            capacity and the tail was dropped.
         """
         self._check_hidden(hidden, "hidden")
         _check(not use_fp8, "use_fp8", "False (no fp8 dispatch in the PyTorch HybridEP buffer)", use_fp8)
@@ -267,9 +273,9 @@ class TorchHybridEPBuffer:
             )
             if isinstance(num_permuted_tokens, int):
                 _check(
-                    num_permuted_tokens == handle.num_permuted_tokens,
+                    num_permuted_tokens == handle.capacity,
                     "num_permuted_tokens",
-                    f"{handle.num_permuted_tokens} (the handle's) or None when a handle is given",
+                    f"{handle.capacity} (the handle's) or None when a handle is given",
                     num_permuted_tokens,
                 )
             if probs is not None:
@@ -412,7 +418,7 @@ class TorchHybridEPBuffer:
                 send_splits=None,
                 recv_splits=None,
                 num_tokens=num_tokens,
-                num_permuted_tokens=capacity,
+                capacity=capacity,
                 non_blocking=True,
                 overflow_flag=layout.overflow,
                 tokens_per_expert=layout.tokens_per_expert,
@@ -433,9 +439,10 @@ class TorchHybridEPBuffer:
         # A capacity with non_blocking=False sizes the output as in non-blocking mode (deep_ep
         # would write out of bounds when it is too small): truncated and flagged, never raised
         # here, because a raise on one rank would leave the others waiting in the all-to-all.
-        num_rows = padded_total if capacity is None else capacity
+        if capacity is None:
+            capacity = padded_total  # sized to the rows there are
         num_slots = sum(recv_splits)
-        layout = expert_layout(local_map, num_rows, pad_multiple, counts)
+        layout = expert_layout(local_map, capacity, pad_multiple, counts)
         # Received tokens sit in ascending g; token N (padding rows) maps to the zero slot.
         slot_of_token = torch.nn.functional.pad(torch.cumsum(received, dim=0) - 1, (0, 1), value=num_slots)
         row_slot = slot_of_token[layout.row_code.div(L, rounding_mode="floor")]
@@ -453,7 +460,7 @@ class TorchHybridEPBuffer:
             send_splits=send_splits,
             recv_splits=recv_splits,
             num_tokens=num_tokens,
-            num_permuted_tokens=num_rows,
+            capacity=capacity,
             non_blocking=False,
             overflow_flag=layout.overflow,
             tokens_per_expert=layout.tokens_per_expert,
@@ -507,13 +514,13 @@ class TorchHybridEPBuffer:
         handle: HybridEPHandle,
         pad_multiple: Optional[int] = None,
         fuse_unpermute_combine: bool = False,
-    ):
+    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """Return each token the unweighted sum of its rows, over every expert and rank.
 
         Args:
-            hidden: `[P, H]` rows in the dispatch layout of `handle` (padding rows and rows past
+            hidden: `[capacity, H]` rows in the dispatch layout of `handle` (padding rows and rows past
                 the padded total are ignored).
-            probs: `[P]` float32 per-row values (e.g. gradients of dispatched probs), or None.
+            probs: `[capacity]` float32 per-row values (e.g. gradients of dispatched probs), or None.
             handle: the handle of the dispatch that produced the layout.
 
         Returns:
@@ -521,8 +528,8 @@ class TorchHybridEPBuffer:
         """
         self._check_handle(handle, "handle")
         self._check_hidden(hidden, "hidden")
-        P, T, W, L = handle.num_permuted_tokens, handle.num_tokens, self.world_size, self.num_local_experts
-        _check(hidden.shape[0] == P, "hidden", f"[{P}, H] (the dispatch's rows)", _describe(hidden))
+        capacity, T, W, L = handle.capacity, handle.num_tokens, self.world_size, self.num_local_experts
+        _check(hidden.shape[0] == capacity, "hidden", f"[{capacity}, H] (the dispatch's rows)", _describe(hidden))
         if pad_multiple is not None:
             _check(
                 pad_multiple == handle.pad_multiple,
@@ -563,9 +570,9 @@ class TorchHybridEPBuffer:
         token_probs, probs_bytes = None, 0
         if probs is not None:
             _check(
-                probs.dtype == torch.float32 and tuple(probs.shape) == (P,),
+                probs.dtype == torch.float32 and tuple(probs.shape) == (capacity,),
                 "probs",
-                f"a float32 tensor of shape [{P}]",
+                f"a float32 tensor of shape [{capacity}]",
                 _describe(probs),
             )
             table = torch.zeros(handle.num_slots + 1, L, dtype=torch.float32, device=probs.device)

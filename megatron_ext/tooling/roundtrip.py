@@ -25,6 +25,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from megatron_ext.options import HybridEPConfigError, check_capacity_factor
+
 
 def _parse(argv=None):
     p = argparse.ArgumentParser(prog="python -m megatron_ext.tooling.roundtrip", description=__doc__.split("\n\n")[0])
@@ -41,8 +43,10 @@ def _parse(argv=None):
     args = p.parse_args(argv)
     if not 1 <= args.topk <= args.experts:
         p.error(f"--topk {args.topk} must be between 1 and --experts ({args.experts})")
-    if args.capacity_factor < 1.0:
-        p.error(f"--capacity-factor {args.capacity_factor} would drop tokens; use >= 1.0")
+    try:
+        check_capacity_factor(args.capacity_factor, "--capacity-factor")
+    except HybridEPConfigError as error:
+        p.error(str(error))
     return args
 
 
