@@ -112,3 +112,59 @@ def step_inputs(rank: int, steps: int, tokens: int, hidden: int, seed: int = 0):
     generator = torch.Generator().manual_seed(seed * 1000 + rank)
     inputs = [torch.randn(tokens, 1, hidden, generator=generator) for _ in range(steps)]
     return [x.cuda().to(GPU_DTYPE["params_dtype"]) for x in inputs] if on_gpu() else inputs
+
+
+def assert_same_steps(expected, actual, what: str = "") -> None:
+    """Two `run_steps` results, step by step: outputs, input gradients, parameter gradients, bitwise."""
+    assert len(expected) == len(actual), (len(expected), len(actual))
+    for step, ((out_a, dx_a, g_a), (out_b, dx_b, g_b)) in enumerate(zip(expected, actual)):
+        assert torch.equal(out_a, out_b), f"{what} step {step}: output"
+        assert torch.equal(dx_a, dx_b), f"{what} step {step}: input grad"
+        assert g_a.keys() == g_b.keys(), (sorted(g_a), sorted(g_b))
+        for name in g_a:
+            assert torch.equal(g_a[name], g_b[name]), f"{what} step {step}: grad {name}"
+
+
+_OVERFLOW_SCRIPT = """
+import os, torch, torch.distributed as dist
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="{port}", RANK="0", WORLD_SIZE="1")
+torch.cuda.set_device(0)
+dist.init_process_group("nccl")
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+parallel_state.initialize_model_parallel()
+model_parallel_cuda_manual_seed(1)
+import megatron_ext.patches
+megatron_ext.patches.apply(training=False)  # no training loop here: an overflow stops on the device
+from tests.megatron_env import make_config, moe_layer
+layer = moe_layer(make_config(1, **{overrides!r}, moe_hybridep_capacity_factor=1.0), experts="grouped")
+x = torch.randn({tokens}, 1, {hidden}, device="cuda", dtype=torch.bfloat16)
+layer(x)[0].sum().backward()
+layer.token_dispatcher.capacity_manager.capacity = {capacity}
+layer(x)[0].sum().backward()
+torch.cuda.synchronize()
+print("NO FAILURE")
+"""
+
+
+def overflow_on_the_device(overrides: dict, tokens: int, hidden: int, capacity: int, port: int) -> str:
+    """Run, in a fresh process on GPU 0, a capacity-mode layer whose capacity is then set to
+    `capacity` rows; assert that the process ended at the device-side assert with the layer's
+    message, and return its output. (A device assert ends the process: it cannot run in pytest's.)"""
+    import os
+    import subprocess
+    import sys
+
+    script = _OVERFLOW_SCRIPT.format(port=port, overrides=overrides, tokens=tokens, hidden=hidden, capacity=capacity)
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )
+    output = result.stdout + result.stderr
+    print("\n".join(line for line in output.splitlines() if "megatron-ext" in line or "Assertion" in line))
+    assert result.returncode != 0 and "NO FAILURE" not in output, output[-3000:]
+    assert f"capacity of {capacity} rows" in output, "the device-side assert did not carry the layer's message"
+    return output

@@ -17,8 +17,8 @@ import os
 import pytest
 import torch
 
-from tests.distributed import Checks, assert_ok, merged_results, run_ranks
-from tests.megatron_env import FLEX, init_megatron, make_config, moe_layer, run_steps, step_inputs
+from tests.distributed import Checks, assert_ok, results_fixture
+from tests.megatron_env import FLEX, assert_same_steps, init_megatron, make_config, moe_layer, run_steps, step_inputs
 
 WORLD_SIZES = (1, 2)
 PREFIX = "decoder.layers.0.mlp."
@@ -155,12 +155,7 @@ def resumed_run_relearns_capacity_and_equals_the_continued_run(rank, world, dire
 
     actual = _train(resumed, inputs[2:])
     assert manager.stats.calibrations == 1 and manager.capacity is not None
-    for step, ((out_a, dx_a, g_a), (out_b, dx_b, g_b)) in enumerate(zip(expected, actual, strict=True)):
-        assert torch.equal(out_a, out_b), f"step {step + 3}: output"
-        assert torch.equal(dx_a, dx_b), f"step {step + 3}: input grad"
-        assert g_a.keys() == g_b.keys()
-        for name in g_a:
-            assert torch.equal(g_a[name], g_b[name]), f"step {step + 3}: grad {name}"
+    assert_same_steps(expected, actual, "after resuming:")
 
 
 CHECKS = (
@@ -183,14 +178,10 @@ def _worker(rank, world_size, out_dir):
     checks.save(out_dir, rank)
 
 
-@pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda w: f"world{w}")
-def results(request, tmp_path_factory):
-    world_size = request.param
-    out_dir = tmp_path_factory.mktemp(f"checkpoint_world{world_size}")
-    run_ranks(world_size, _worker, str(out_dir))
-    return merged_results(out_dir, world_size)
+results = results_fixture(_worker, WORLD_SIZES)
 
 
 @pytest.mark.parametrize("check", [c.__name__ for c in CHECKS])
 def test_checkpoint(results, check):
-    assert_ok(results, check)
+    _, outcomes = results
+    assert_ok(outcomes, check)

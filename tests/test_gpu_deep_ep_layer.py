@@ -12,16 +12,11 @@ device with the layer's message.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import textwrap
-
 import pytest
 import torch
 
 from megatron_ext.options import deep_ep_import_error
-from tests.megatron_env import FLEX, copy_weights, run_steps
+from tests.megatron_env import FLEX, assert_same_steps, copy_weights, run_steps
 
 pytestmark = pytest.mark.gpu
 
@@ -95,15 +90,6 @@ def _inputs(steps, repeat_first=False):
     return [first] * steps if repeat_first else [first, *rest]
 
 
-def _assert_same(expected, actual, what):
-    for step, ((out_a, dx_a, g_a), (out_b, dx_b, g_b)) in enumerate(zip(expected, actual, strict=True)):
-        assert torch.equal(out_a, out_b), f"{what}, step {step}: output"
-        assert torch.equal(dx_a, dx_b), f"{what}, step {step}: input grad"
-        assert g_a.keys() == g_b.keys()
-        for name in g_a:
-            assert torch.equal(g_a[name], g_b[name]), f"{what}, step {step}: grad {name}"
-
-
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_deep_ep_capacity_mode_equals_blocking(megatron, variant):
     from megatron_ext.tooling.sync import forbid_host_sync, runahead_probe
@@ -120,7 +106,7 @@ def test_deep_ep_capacity_mode_equals_blocking(megatron, variant):
     inputs = _inputs(4, repeat_first=factor == 1.0)
 
     expected = run_steps(blocking_deep_ep, inputs)
-    _assert_same(run_steps(blocking_torch, inputs), expected, "deep_ep blocking against torch blocking")
+    assert_same_steps(run_steps(blocking_torch, inputs), expected, "deep_ep blocking against torch blocking")
     actual = run_steps(stack, inputs[:1])  # calibration
     if overrides.get("moe_hybridep_equal_token_counts"):
         with forbid_host_sync():
@@ -128,7 +114,7 @@ def test_deep_ep_capacity_mode_equals_blocking(megatron, variant):
     else:
         actual += run_steps(stack, inputs[1:])
     torch.cuda.synchronize()
-    _assert_same(expected, actual, f"deep_ep {variant} against deep_ep blocking")
+    assert_same_steps(expected, actual, f"deep_ep {variant} against deep_ep blocking")
 
     for layer in stack.layers:
         manager = layer.token_dispatcher.capacity_manager
@@ -150,41 +136,7 @@ def test_deep_ep_blocking_makes_the_host_wait(megatron):
     assert probe.waited, probe
 
 
-OVERFLOW_SCRIPT = textwrap.dedent(
-    """
-    import os, torch, torch.distributed as dist
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29534", RANK="0", WORLD_SIZE="1")
-    torch.cuda.set_device(0)
-    dist.init_process_group("nccl")
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-    parallel_state.initialize_model_parallel()
-    model_parallel_cuda_manual_seed(1)
-    import megatron_ext.patches
-    megatron_ext.patches.apply(training=False)
-    from tests.megatron_env import make_config, moe_layer
-    from tests.test_gpu_deep_ep_layer import DEEP_EP, GPU, HIDDEN, TOKENS
-    config = make_config(1, **GPU, **DEEP_EP, moe_hybridep_capacity_factor=1.0)
-    layer = moe_layer(config, experts="grouped")
-    x = torch.randn(TOKENS, 1, HIDDEN, device="cuda", dtype=torch.bfloat16)
-    layer(x)[0].sum().backward()
-    layer.token_dispatcher.capacity_manager.capacity = 16
-    layer(x)[0].sum().backward()
-    torch.cuda.synchronize()
-    print("NO FAILURE")
-    """
-)
-
-
 def test_deep_ep_overflow_stops_on_the_device_with_the_layers_message():
-    result = subprocess.run(
-        [sys.executable, "-c", OVERFLOW_SCRIPT],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-    )
-    output = result.stdout + result.stderr
-    print("\n".join(line for line in output.splitlines() if "megatron-ext" in line or "Assertion" in line))
-    assert result.returncode != 0 and "NO FAILURE" not in output
-    assert "capacity of 16 rows" in output, "the device-side assert did not carry the layer's message"
+    from tests.megatron_env import overflow_on_the_device
+
+    overflow_on_the_device(dict(GPU, **DEEP_EP), TOKENS, HIDDEN, capacity=16, port=29534)

@@ -8,15 +8,10 @@ the device with the layer's message.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import textwrap
-
 import pytest
 import torch
 
-from tests.megatron_env import FLEX, copy_weights, run_steps
+from tests.megatron_env import FLEX, assert_same_steps, copy_weights, run_steps
 
 pytestmark = pytest.mark.gpu
 
@@ -70,11 +65,7 @@ def test_capacity_stack_equals_blocking_without_host_syncs(megatron):
     with forbid_host_sync():
         actual += run_steps(capacity, inputs[1:])
     torch.cuda.synchronize()
-    for step, ((out_a, dx_a, g_a), (out_b, dx_b, g_b)) in enumerate(zip(expected, actual)):
-        assert torch.equal(out_a, out_b), f"step {step}: output"
-        assert torch.equal(dx_a, dx_b), f"step {step}: input grad"
-        for name in g_a:
-            assert torch.equal(g_a[name], g_b[name]), f"step {step}: grad {name}"
+    assert_same_steps(expected, actual)
     for layer in capacity.layers:
         stats = layer.token_dispatcher.capacity_manager.stats
         assert stats.calibrations == 1 and stats.non_blocking_dispatches == len(inputs) - 1
@@ -108,43 +99,10 @@ def test_capacity_stack_runs_ahead_and_blocking_waits(megatron):
     assert waits.waited, waits
 
 
-OVERFLOW_SCRIPT = textwrap.dedent(
-    """
-    import os, torch, torch.distributed as dist
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29533", RANK="0", WORLD_SIZE="1")
-    torch.cuda.set_device(0)
-    dist.init_process_group("nccl")
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-    parallel_state.initialize_model_parallel()
-    model_parallel_cuda_manual_seed(1)
-    import megatron_ext.patches
-    megatron_ext.patches.apply(training=False)  # no training loop here
-    from tests.megatron_env import FLEX, make_config, moe_layer
-    from tests.test_gpu_moe_layer import GPU, HIDDEN, TOKENS
-    layer = moe_layer(make_config(1, **GPU, **FLEX, moe_hybridep_capacity_factor=1.0), experts="grouped")
-    x = torch.randn(TOKENS, 1, HIDDEN, device="cuda", dtype=torch.bfloat16)
-    layer(x)[0].sum().backward()
-    layer.token_dispatcher.capacity_manager.capacity = 4
-    layer(x)[0].sum().backward()
-    torch.cuda.synchronize()
-    print("NO FAILURE")
-    """
-)
-
-
 def test_too_small_capacity_stops_on_the_device():
-    result = subprocess.run(
-        [sys.executable, "-c", OVERFLOW_SCRIPT],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-    )
-    output = result.stdout + result.stderr
-    print("\n".join(line for line in output.splitlines() if "megatron-ext" in line or "Assertion" in line))
-    assert result.returncode != 0 and "NO FAILURE" not in output
-    assert "capacity of 4 rows" in output, "the device-side assert did not carry the layer's message"
+    from tests.megatron_env import overflow_on_the_device
+
+    overflow_on_the_device(dict(GPU, **FLEX), TOKENS, HIDDEN, capacity=4, port=29533)
 
 
 # ------------------------------------------------------------------ every mode of the bench

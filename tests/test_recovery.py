@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed import Checks, assert_ok, merged_results, run_ranks
+from tests.distributed import Checks, assert_ok, results_fixture
 from tests.megatron_env import FLEX, copy_weights, init_megatron, make_config, moe_layer, step_inputs
 
 HIDDEN = 16
@@ -243,16 +243,13 @@ def _worker(rank, world_size, out_dir):
     checks.save(out_dir, rank)
 
 
-@pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda w: f"world{w}")
-def results(request, tmp_path_factory):
-    out_dir = tmp_path_factory.mktemp(f"recovery_world{request.param}")
-    run_ranks(request.param, _worker, str(out_dir))
-    return merged_results(out_dir, request.param)
+results = results_fixture(_worker, WORLD_SIZES)
 
 
 @pytest.mark.parametrize("check", [c.__name__ for c in CHECKS])
 def test_recovery(results, check):
-    assert_ok(results, check)
+    _, outcomes = results
+    assert_ok(outcomes, check)
 
 
 def test_the_patch_wraps_the_schedule_of_megatrons_training_loop():
