@@ -27,6 +27,7 @@ import megatron_ext
 from megatron_ext.bench.modes import all_modes, select
 from megatron_ext.bench.run import Sizes
 from megatron_ext.bench.stack import DTYPES
+from megatron_ext.logs import log_with_rank_prefix
 from megatron_ext.options import HybridEPConfigError, check_capacity_factor
 
 
@@ -180,13 +181,17 @@ def _versions() -> dict:
 # ---------------------------------------------------------------------------------- one rank
 
 
-def _quiet(verbose: bool) -> None:
-    """Megatron's import-time warnings (no TE, no apex; no CUDA toolkit on CPU) say nothing about the bench."""
-    if not verbose:
-        warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\..*")
-        logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
+def _quiet(verbose: bool, rank: int) -> None:
+    """Megatron's import-time warnings (no TE, no apex; no CUDA toolkit on CPU) say nothing about the
+    bench. With --verbose, megatron-ext's log on stderr, each line prefixed with its rank (lines
+    that every rank would say alike come from the first rank only: `megatron_ext.logs`)."""
+    if verbose:
+        log_with_rank_prefix(rank)
+        return
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\..*")
+    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
     # The package's logger: every megatron_ext module logs to a child of it (`getLogger(__name__)`).
-    logging.getLogger(megatron_ext.__name__).setLevel(logging.INFO if verbose else logging.WARNING)
+    logging.getLogger(megatron_ext.__name__).setLevel(logging.WARNING)
 
 
 def _rank_main(rank: int, world_size: int, args, failure_dir: str) -> bool:
@@ -274,11 +279,12 @@ def _print_report(args, sizes, world_size, rows, facts, problems) -> None:
         kinds = {r["name"]: r["equal_to_blocking"] for r in rows if r["status"] == "ok"}
         bitwise = [n for n, k in kinds.items() if k == "bitwise" and n != "blocking"]
         close = [n for n, k in kinds.items() if k == "close"]
-        print(
-            "OK: outputs and gradients equal blocking's: bitwise for "
-            + (", ".join(bitwise) or "none")
-            + ("; within tolerance for " + ", ".join(close) if close else "")
-        )
+        said = [f"bitwise for {', '.join(bitwise)}"] if bitwise else []
+        said += [f"within tolerance for {', '.join(close)}"] if close else []
+        if said:
+            print("OK: outputs and gradients equal blocking's: " + "; ".join(said))
+        else:
+            print("OK: blocking ran (the reference); no other mode ran to compare with it")
     if args.json:
         report.write_json(
             args.json,
@@ -310,7 +316,7 @@ def _backend(args) -> str:
 def _spawned(rank: int, world_size: int, args, init_file: str, failure_dir: str, status_file: str) -> None:
     import torch.distributed as dist
 
-    _quiet(args.verbose)
+    _quiet(args.verbose, rank)
     if args.device == "cuda":
         torch.cuda.set_device(rank)
     dist.init_process_group(
@@ -343,7 +349,7 @@ def main(argv=None) -> int:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun
         import torch.distributed as dist
 
-        _quiet(args.verbose)
+        _quiet(args.verbose, int(os.environ["RANK"]))
         if args.device == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group(_backend(args), timeout=datetime.timedelta(seconds=args.timeout))

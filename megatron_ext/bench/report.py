@@ -7,7 +7,7 @@ import math
 import statistics
 from typing import Any, Optional
 
-from megatron_ext.bench.modes import STOCK, STOCK_TE, Mode
+from megatron_ext.bench.modes import BLOCKING, STOCK, STOCK_TE, Mode
 
 _STATUS_ORDER = ("ok", "skipped", "differs", "failed")
 
@@ -147,8 +147,8 @@ def table(rows: list[dict], cuda: bool) -> str:
         if r["status"] == "skipped":
             lines.append([r["name"], "skipped"] + [""] * (len(header) - 2))
             continue
-        equal = r["equal_to_blocking"]
-        if equal != "bitwise" and r["max_rel_error"]:
+        equal = "reference" if r["name"] == BLOCKING else r["equal_to_blocking"]
+        if equal not in ("bitwise", "reference") and r["max_rel_error"]:
             equal = f"{equal} ({r['max_rel_error']:.1e})"
         cells = [
             r["name"],

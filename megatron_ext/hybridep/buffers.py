@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from megatron_ext.hybridep.protocol import HybridEPBuffer
 from megatron_ext.hybridep.torch_buffer import TorchHybridEPBuffer
+from megatron_ext.logs import once_per_group
 from megatron_ext.options import BUFFER_IMPLEMENTATIONS
 
 logger = logging.getLogger(__name__)
@@ -47,7 +48,8 @@ def get_buffer(
         if reason is not None:
             if (group, num_tokens) not in _PLAIN_GATHER_LOGGED:
                 _PLAIN_GATHER_LOGGED.add((group, num_tokens))
-                logger.warning(
+                logger.log(
+                    once_per_group(logging.WARNING, group),
                     "megatron-ext: --moe-hybridep-reuse-allgather-buffer: %s; this dispatch uses deep_ep's "
                     "plain all-gather.",
                     reason,
@@ -72,7 +74,8 @@ def get_buffer(
         raise ValueError(
             f"HybridEP implementation must be one of {', '.join(BUFFER_IMPLEMENTATIONS)}; got {implementation!r}."
         )
-    logger.info(
+    logger.log(
+        once_per_group(logging.INFO, group),
         "megatron-ext: %s HybridEP buffer for %d ranks, hidden %d, %d tokens per rank, %d local experts.",
         implementation,
         group.size(),

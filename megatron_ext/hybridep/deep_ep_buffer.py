@@ -18,6 +18,7 @@ from typing import Any
 import torch.distributed as dist
 
 from megatron_ext.hybridep.protocol import HybridEPBuffer
+from megatron_ext.logs import once_per_group
 
 logger = logging.getLogger(__name__)
 
@@ -66,9 +67,13 @@ def create_deep_ep_buffer(
         reason = custom_allgather_reason(group, num_tokens, num_local_experts * group.size())
         custom_allgather = reason is None
         if custom_allgather:
-            logger.info("megatron-ext: deep_ep HybridEP gathers routing maps into its persistent buffer.")
+            logger.log(
+                once_per_group(logging.INFO, group),
+                "megatron-ext: deep_ep HybridEP gathers routing maps into its persistent buffer.",
+            )
         else:
-            logger.warning(
+            logger.log(
+                once_per_group(logging.WARNING, group),
                 "megatron-ext: --moe-hybridep-reuse-allgather-buffer: deep_ep's persistent all-gather "
                 "buffer cannot serve this group (%s); using deep_ep's plain all-gather.",
                 reason,

@@ -38,6 +38,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from megatron_ext.logs import once_per_job
 from megatron_ext.patches._compat import (
     SUPPORTED_MEGATRON_CORE,
     MovedSymbolError,
@@ -173,7 +174,12 @@ def apply(*, dispatcher: bool = True, experts: bool = True, arguments: bool = Tr
         done.append(patch.target)
     if done:  # one line per process; the attributes at DEBUG
         features = sorted({p.feature for p in todo})
-        logger.info("megatron-ext: patched Megatron-Core (%s: %d attributes)", ", ".join(features), len(done))
+        logger.log(
+            once_per_job(logging.INFO),
+            "megatron-ext: patched Megatron-Core (%s: %d attributes)",
+            ", ".join(features),
+            len(done),
+        )
     return done
 
 
@@ -185,7 +191,7 @@ def revert(targets: Any = None) -> list[str]:
         setattr(owner, attribute, original)
         logger.debug("megatron-ext: restored %s", name)
     if names:
-        logger.info("megatron-ext: restored Megatron-Core (%d attributes)", len(names))
+        logger.log(once_per_job(logging.INFO), "megatron-ext: restored Megatron-Core (%d attributes)", len(names))
     return names
 
 

@@ -16,6 +16,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from megatron_ext.logs import once_per_job
 from megatron_ext.options import HybridEPOptions
 
 logger = logging.getLogger("megatron_ext")
@@ -41,7 +42,8 @@ def select_experts(config: Any, submodules: Any) -> Any:
     if isinstance(built, type) and issubclass(built, TEGroupedMLP) and config.use_transformer_engine_op_fuser:
         _check_te_takes_device_counts(config)
         return submodules
-    logger.info(
+    logger.log(
+        once_per_job(logging.INFO),
         "megatron-ext: capacity mode: experts %s -> megatron_ext.experts.GroupedMLP (counts stay on the device).",
         getattr(built, "__qualname__", built),
     )
