@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from megatron_ext.bench.modes import FLEX  # noqa: F401 - the tests import it from here
+from megatron_ext.bench.stack import MOE_STACK_DEFAULTS
 from megatron_ext.tooling.cpu_ranks import use_cpu_ranks
 
 
@@ -33,24 +35,17 @@ def init_megatron(world_size: int) -> None:
     parallel_state.initialize_model_parallel(expert_model_parallel_size=world_size)
 
 
+# The bench's MoE stack defaults, at the tests' small sizes.
 BASE = dict(
+    MOE_STACK_DEFAULTS,
     num_layers=1,
     hidden_size=16,
-    num_attention_heads=1,
     num_moe_experts=8,
     moe_router_topk=2,
     moe_ffn_hidden_size=24,
     params_dtype=torch.float32,
-    add_bias_linear=False,
-    moe_router_dtype="fp32",
     use_cpu_initialization=True,
-    moe_router_load_balancing_type="none",
-    moe_aux_loss_coeff=0.0,
-    bias_activation_fusion=False,
-    gated_linear_unit=True,
-    activation_func=torch.nn.functional.silu,
 )
-FLEX = dict(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="hybridep")
 
 
 # On NCCL ranks the layers run in bfloat16: the only dtype for which torch's grouped GEMM reads no

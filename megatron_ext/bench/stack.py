@@ -20,14 +20,29 @@ if TYPE_CHECKING:
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
+# What every MoE stack of the bench and the tests shares, whatever its size and mode: one
+# attention head (never built: MoE layers alone), no biases, the router in fp32 without load
+# balancing (so routing depends on the tokens alone), SwiGLU experts without the fused bias-act.
+MOE_STACK_DEFAULTS = dict(
+    num_attention_heads=1,
+    add_bias_linear=False,
+    moe_router_dtype="fp32",
+    moe_router_load_balancing_type="none",
+    moe_aux_loss_coeff=0.0,
+    bias_activation_fusion=False,
+    gated_linear_unit=True,
+    activation_func=torch.nn.functional.silu,
+)
+
+
 def megatron_config(sizes: Sizes, world_size: int, device: torch.device, mode: Mode):
     from megatron_ext.config import HybridEPTransformerConfig
 
     dtype = DTYPES[sizes.dtype]
     base = dict(
+        MOE_STACK_DEFAULTS,
         num_layers=sizes.layers,
         hidden_size=sizes.hidden,
-        num_attention_heads=1,
         num_moe_experts=sizes.experts,
         moe_router_topk=sizes.topk,
         moe_ffn_hidden_size=sizes.ffn_hidden,
@@ -35,13 +50,6 @@ def megatron_config(sizes: Sizes, world_size: int, device: torch.device, mode: M
         params_dtype=dtype,
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
-        add_bias_linear=False,
-        moe_router_dtype="fp32",
-        moe_router_load_balancing_type="none",
-        moe_aux_loss_coeff=0.0,
-        bias_activation_fusion=False,
-        gated_linear_unit=True,
-        activation_func=torch.nn.functional.silu,
         use_cpu_initialization=device.type == "cpu",
     )
     return HybridEPTransformerConfig(**{**base, **mode.overrides})
