@@ -6,44 +6,27 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import sys
-import tempfile
 import traceback
 from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from megatron_ext.tooling.ranks import run_on_ranks
 
 
-def _entry(rank, world_size, init_file, fn, args, backend="gloo"):
+def _one_thread(rank, world_size, fn, *args):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    if backend == "nccl":
-        import torch
-
-        torch.cuda.set_device(rank)
-    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size)
-    try:
-        fn(rank, world_size, *args)
-    finally:
-        dist.destroy_process_group()
-    # Every outcome is on disk now. Leave without the interpreter's teardown: on 2-core CI machines
-    # it aborted now and then in a C++ thread destructor ("terminate called without an active
-    # exception", no Python frame) after the checks had passed and been saved.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    fn(rank, world_size, *args)
 
 
 def run_ranks(world_size: int, fn, *args, backend: str = "gloo") -> None:
-    """Call fn(rank, world_size, *args) on `world_size` processes; re-raise the first failure.
+    """Call fn(rank, world_size, *args) on `world_size` spawned processes; re-raise the first failure.
 
     `fn` must be importable (a module-level function of a test module). With backend "nccl" rank i
-    runs on GPU i.
+    runs on GPU i. (`megatron_ext.tooling.ranks.run_on_ranks`, each rank ending with `os._exit`.)
     """
-    with tempfile.TemporaryDirectory() as tmp:
-        entry_args = (world_size, os.path.join(tmp, "init"), fn, args, backend)
-        mp.spawn(_entry, args=entry_args, nprocs=world_size, join=True)
+    run_on_ranks(_one_thread, world_size, fn, *args, backend=backend, hard_exit=True)
 
 
 @contextlib.contextmanager

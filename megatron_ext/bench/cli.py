@@ -12,7 +12,6 @@ another order); 1, naming the mode, when one differs or fails; 2 on bad argument
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import logging
 import os
@@ -29,6 +28,7 @@ from megatron_ext.bench.run import Sizes
 from megatron_ext.bench.stack import DTYPES
 from megatron_ext.logs import log_with_rank_prefix
 from megatron_ext.options import HybridEPConfigError, check_capacity_factor
+from megatron_ext.tooling.ranks import run_on_ranks, this_rank, under_torchrun
 
 
 def parser() -> argparse.ArgumentParser:
@@ -94,12 +94,12 @@ def parse(argv=None) -> argparse.Namespace:
         args.dtype = "bf16" if cuda else "fp32"
     if args.dtype == "fp16" and not cuda:
         p.error("--dtype fp16 needs a GPU; use fp32 or bf16 on CPU")
-    under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-    if under_torchrun:
+    torchrun = under_torchrun()
+    if torchrun:
         args.world_size = int(os.environ["WORLD_SIZE"])
     elif args.world_size is None:
         args.world_size = torch.cuda.device_count() if cuda else 4
-    if cuda and not under_torchrun and args.world_size > torch.cuda.device_count():
+    if cuda and not torchrun and args.world_size > torch.cuda.device_count():
         p.error(f"--world-size {args.world_size}: only {torch.cuda.device_count()} GPU(s) are visible")
     for name in ("layers", "tokens", "hidden", "ffn_hidden", "experts", "steps", "check_steps", "world_size", "repeat"):
         if getattr(args, name) < 1:
@@ -313,26 +313,12 @@ def _backend(args) -> str:
     return "nccl" if args.device == "cuda" else "gloo"
 
 
-def _spawned(rank: int, world_size: int, args, init_file: str, failure_dir: str, status_file: str) -> None:
-    import torch.distributed as dist
-
+def _rank(rank: int, world_size: int, args, failure_dir: str, status_file: str) -> None:
     _quiet(args.verbose, rank)
-    if args.device == "cuda":
-        torch.cuda.set_device(rank)
-    dist.init_process_group(
-        _backend(args),
-        init_method=f"file://{init_file}",
-        rank=rank,
-        world_size=world_size,
-        timeout=datetime.timedelta(seconds=args.timeout),
-    )
-    try:
-        ok = _rank_main(rank, world_size, args, failure_dir)
-        if rank == 0:
-            with open(status_file, "w") as f:
-                f.write("ok" if ok else "failed")
-    finally:
-        dist.destroy_process_group()
+    ok = _rank_main(rank, world_size, args, failure_dir)
+    if rank == this_rank():  # the rank that answers for this process: rank 0, or each under torchrun
+        with open(status_file, "w") as f:
+            f.write("ok" if ok else "failed")
 
 
 def _failure_summary(failure_dir: str) -> list[str]:
@@ -346,37 +332,15 @@ def _failure_summary(failure_dir: str) -> list[str]:
 
 def main(argv=None) -> int:
     args = parse(argv)
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun
-        import torch.distributed as dist
-
-        _quiet(args.verbose, int(os.environ["RANK"]))
-        if args.device == "cuda":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(_backend(args), timeout=datetime.timedelta(seconds=args.timeout))
-        with tempfile.TemporaryDirectory() as failure_dir:
-            try:
-                ok = _rank_main(dist.get_rank(), dist.get_world_size(), args, failure_dir)
-            except Exception:
-                for line in _failure_summary(failure_dir):
-                    print(line, file=sys.stderr)
-                return 1
-            finally:
-                dist.destroy_process_group()
-        return 0 if ok else 1
-
-    import torch.multiprocessing as mp
-
     with tempfile.TemporaryDirectory() as tmp:
         failure_dir = os.path.join(tmp, "failures")
         os.mkdir(failure_dir)
         status = os.path.join(tmp, "status")
         try:
-            mp.spawn(
-                _spawned,
-                args=(args.world_size, args, os.path.join(tmp, "init"), failure_dir, status),
-                nprocs=args.world_size,
+            run_on_ranks(
+                _rank, args.world_size, args, failure_dir, status, backend=_backend(args), timeout_s=args.timeout
             )
-        except Exception as error:  # a rank failed; the others were stopped by spawn
+        except Exception as error:  # a rank failed (spawned: the others were stopped)
             lines = _failure_summary(failure_dir) or [f"FAILED: a rank stopped: {error}"]
             print("\n".join(lines), file=sys.stderr)
             return 1

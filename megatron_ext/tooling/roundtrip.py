@@ -16,7 +16,6 @@ gloo), next to a plain `all_to_all_single` of as many bytes and NVLink's 450 GB/
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import sys
 import tempfile
@@ -26,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ext.options import HybridEPConfigError, check_capacity_factor
+from megatron_ext.tooling.ranks import run_on_ranks, this_rank, under_torchrun
 
 
 def _parse(argv=None):
@@ -207,23 +207,11 @@ def _report(rank, world_size, result) -> bool:
     return not any(failures for _, failures in gathered)
 
 
-def _entry(rank, world_size, init_file, args, status_file):
-    if args.backend == "nccl":
-        torch.cuda.set_device(rank % torch.cuda.device_count())
-    dist.init_process_group(
-        args.backend,
-        init_method=f"file://{init_file}",
-        rank=rank,
-        world_size=world_size,
-        timeout=datetime.timedelta(seconds=120),
-    )
-    try:
-        ok = _report(rank, world_size, _run(rank, world_size, args))
-        if rank == 0:
-            with open(status_file, "w") as f:
-                f.write("ok" if ok else "failed")
-    finally:
-        dist.destroy_process_group()
+def _rank(rank, world_size, args, status_file):
+    ok = _report(rank, world_size, _run(rank, world_size, args))
+    if rank == this_rank():  # the rank that answers for this process: rank 0, or each under torchrun
+        with open(status_file, "w") as f:
+            f.write("ok" if ok else "failed")
 
 
 def main(argv=None) -> int:
@@ -232,33 +220,23 @@ def main(argv=None) -> int:
         "combine(dispatch(x)) == x * experts per token; non-blocking (under forbid_host_sync) rows, probs, "
         "counts and combine == blocking, bitwise; overflow flag 0 with room, 1 with too little"
     )
-    if "RANK" in os.environ:  # under torchrun
-        if args.backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(args.backend)
-        try:
-            ok = _report(dist.get_rank(), dist.get_world_size(), _run(dist.get_rank(), dist.get_world_size(), args))
-        finally:
-            dist.destroy_process_group()
-        if int(os.environ["RANK"]) == 0:
-            print(("OK: " if ok else "FAILED: ") + checked)
-        return 0 if ok else 1
-    import torch.multiprocessing as mp
-
-    world_size = args.world_size
+    world_size = int(os.environ["WORLD_SIZE"]) if under_torchrun() else args.world_size
     if args.experts % world_size:
-        print(f"--experts {args.experts} must be divisible by --world-size {world_size}", file=sys.stderr)
+        ranks = f"the {world_size} ranks" if under_torchrun() else f"--world-size {world_size}"
+        print(f"--experts {args.experts} must be divisible by {ranks}", file=sys.stderr)
         return 2
-    print(
-        f"round trip on {world_size} {args.backend} ranks: T={args.tokens} H={args.hidden} E={args.experts} "
-        f"top-{args.topk} {args.dtype}, capacity factor {args.capacity_factor}",
-        flush=True,
-    )
+    if this_rank() == 0:
+        print(
+            f"round trip on {world_size} {args.backend} ranks: T={args.tokens} H={args.hidden} E={args.experts} "
+            f"top-{args.topk} {args.dtype}, capacity factor {args.capacity_factor}",
+            flush=True,
+        )
     with tempfile.TemporaryDirectory() as tmp:
         status = os.path.join(tmp, "status")
-        mp.spawn(_entry, args=(world_size, os.path.join(tmp, "init"), args, status), nprocs=world_size)
+        run_on_ranks(_rank, world_size, args, status, backend=args.backend, timeout_s=120)
         ok = open(status).read() == "ok"
-    print(("OK: " if ok else "FAILED: ") + checked)
+    if this_rank() == 0:
+        print(("OK: " if ok else "FAILED: ") + checked)
     return 0 if ok else 1
 
 
