@@ -128,10 +128,10 @@ def test_apply_replaces_every_target_and_logs_it(originals, replacements, caplog
     assert moe_layer.MoELayer.__init__.__megatron_ext_original__ is originals[MOE_INIT]
     assert arguments.add_megatron_arguments.__wrapped__ is originals[ADD_ARGUMENTS]
 
-    logged = [r.getMessage() for r in caplog.records if r.name == "megatron_ext"]
+    logged = [r.getMessage() for r in caplog.records if r.name == patches.__name__]
     for target in ALL_TARGETS:
         assert f"megatron-ext: patched {target}" in logged
-    info = [r.getMessage() for r in caplog.records if r.name == "megatron_ext" and r.levelno == logging.INFO]
+    info = [r.getMessage() for r in caplog.records if r.name == patches.__name__ and r.levelno == logging.INFO]
     assert info == [
         f"megatron-ext: patched Megatron-Core (arguments, dispatcher, experts, training: {len(ALL_TARGETS)} attributes)"
     ]  # one line per process
@@ -159,7 +159,7 @@ def test_revert_restores_every_original(originals, replacements, caplog):
     assert set(restored) == set(ALL_TARGETS)
     assert patches.applied() == ()
     assert_stock(originals)
-    logged = [r.getMessage() for r in caplog.records if r.name == "megatron_ext"]
+    logged = [r.getMessage() for r in caplog.records if r.name == patches.__name__]
     for target in ALL_TARGETS:
         assert f"megatron-ext: restored {target}" in logged
     assert patches.revert() == []

@@ -48,7 +48,7 @@ from megatron_ext.patches._compat import (
     resolve,
 )
 
-logger = logging.getLogger("megatron_ext")
+logger = logging.getLogger(__name__)
 
 
 def _dispatcher(original: Any) -> Any:

@@ -19,7 +19,7 @@ from typing import Any
 from megatron_ext.logs import once_per_job
 from megatron_ext.options import HybridEPOptions
 
-logger = logging.getLogger("megatron_ext")
+logger = logging.getLogger(__name__)
 
 
 def _builder_class(builder: Any) -> Any:
