@@ -163,3 +163,19 @@ def overflow_on_the_device(overrides: dict, tokens: int, hidden: int, capacity: 
     assert result.returncode != 0 and "NO FAILURE" not in output, output[-3000:]
     assert f"capacity of {capacity} rows" in output, "the device-side assert did not carry the layer's message"
     return output
+
+
+def run_megatron_checks(rank: int, world_size: int, out_dir: str, checks, args_of=lambda check: ()) -> None:
+    """A spawned rank's work in the Megatron test modules: Megatron's parallel state, the patch
+    (without the training-loop feature: no training loop here), then each check, its outcome
+    recorded (`tests.distributed.Checks`) and saved to `out_dir`. `args_of(check)`: its extra args."""
+    from tests.distributed import Checks
+
+    init_megatron(world_size)
+    import megatron_ext.patches
+
+    megatron_ext.patches.apply(training=False)
+    outcomes = Checks()
+    for check in checks:
+        outcomes.run(check.__name__, check, rank, world_size, *args_of(check))
+    outcomes.save(out_dir, rank)

@@ -17,8 +17,16 @@ import os
 import pytest
 import torch
 
-from tests.distributed import Checks, assert_ok, results_fixture
-from tests.megatron_env import FLEX, assert_same_steps, init_megatron, make_config, moe_layer, run_steps, step_inputs
+from tests.distributed import assert_ok, results_fixture
+from tests.megatron_env import (
+    FLEX,
+    assert_same_steps,
+    make_config,
+    moe_layer,
+    run_megatron_checks,
+    run_steps,
+    step_inputs,
+)
 
 WORLD_SIZES = (1, 2)
 PREFIX = "decoder.layers.0.mlp."
@@ -166,16 +174,9 @@ CHECKS = (
 
 
 def _worker(rank, world_size, out_dir):
-    init_megatron(world_size)
     # Megatron's checkpoint writer waits for the GPU before it copies tensors; CPU ranks have none.
     torch.cuda.synchronize = lambda *args, **kwargs: None
-    import megatron_ext.patches
-
-    megatron_ext.patches.apply(training=False)
-    checks = Checks()
-    for check in CHECKS:
-        checks.run(check.__name__, check, rank, world_size, os.path.join(out_dir, check.__name__))
-    checks.save(out_dir, rank)
+    run_megatron_checks(rank, world_size, out_dir, CHECKS, lambda check: (os.path.join(out_dir, check.__name__),))
 
 
 results = results_fixture(_worker, WORLD_SIZES)

@@ -17,19 +17,11 @@ import torch
 
 from megatron_ext.options import deep_ep_import_error
 from tests.megatron_env import FLEX, assert_same_steps, copy_weights, run_steps
+from tests.test_gpu_moe_layer import GPU, HIDDEN
 
 pytestmark = pytest.mark.gpu
 
-LAYERS, TOKENS, HIDDEN, EXPERTS, TOPK, FFN = 2, 1024, 1024, 16, 4, 512
-GPU = dict(
-    hidden_size=HIDDEN,
-    num_moe_experts=EXPERTS,
-    moe_router_topk=TOPK,
-    moe_ffn_hidden_size=FFN,
-    params_dtype=torch.bfloat16,
-    bf16=True,
-    use_cpu_initialization=False,
-)
+LAYERS, TOKENS = 2, 1024  # the layers of test_gpu_moe_layer (GPU), fewer of them, on fewer tokens
 DEEP_EP = dict(FLEX, moe_hybridep_implementation="deep_ep")
 TORCH = dict(FLEX, moe_hybridep_implementation="torch")
 EQUAL = dict(moe_hybridep_equal_token_counts=True)

@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.distributed import Checks, assert_ok, results_fixture
-from tests.megatron_env import FLEX, copy_weights, init_megatron, make_config, moe_layer, run_steps, step_inputs
+from tests.distributed import assert_ok, results_fixture
+from tests.megatron_env import FLEX, copy_weights, make_config, moe_layer, run_megatron_checks, run_steps, step_inputs
 
 WORLD_SIZES = (1, 2, 4)
 HIDDEN = 16
@@ -323,17 +323,10 @@ FOUR_RANKS_ONLY = {tensor_and_expert_parallel.__name__}
 
 def _worker(rank, world_size, out_dir, names=None):
     """Run the checks named (default: all) on this rank and save their outcomes."""
-    init_megatron(world_size)
-    import megatron_ext.patches
-
-    megatron_ext.patches.apply(training=False)  # no training loop here
-    checks = Checks()
-    for check in CHECKS:
-        if names is not None and check.__name__ not in names:
-            continue
-        if check.__name__ not in FOUR_RANKS_ONLY or world_size == 4:
-            checks.run(check.__name__, check, rank, world_size)
-    checks.save(out_dir, rank)
+    wanted = [c for c in CHECKS if (names is None or c.__name__ in names)]
+    run_megatron_checks(
+        rank, world_size, out_dir, [c for c in wanted if c.__name__ not in FOUR_RANKS_ONLY or world_size == 4]
+    )
 
 
 results = results_fixture(_worker, WORLD_SIZES)

@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed import Checks, assert_ok, results_fixture
-from tests.megatron_env import FLEX, copy_weights, init_megatron, make_config, moe_layer, step_inputs
+from tests.distributed import assert_ok, results_fixture
+from tests.megatron_env import FLEX, copy_weights, make_config, moe_layer, run_megatron_checks, step_inputs
 
 HIDDEN = 16
 WORLD_SIZES = (1, 2)
@@ -233,14 +233,7 @@ CHECKS = (
 
 
 def _worker(rank, world_size, out_dir):
-    init_megatron(world_size)
-    import megatron_ext.patches
-
-    megatron_ext.patches.apply(training=False)
-    checks = Checks()
-    for check in CHECKS:
-        checks.run(check.__name__, check, rank, world_size)
-    checks.save(out_dir, rank)
+    run_megatron_checks(rank, world_size, out_dir, CHECKS)
 
 
 results = results_fixture(_worker, WORLD_SIZES)
