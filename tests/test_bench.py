@@ -297,3 +297,14 @@ def test_kernel_counter_refuses_without_a_gpu():
         [sys.executable, "-m", "megatron_ext.bench.kernels", "--layers", "2"], capture_output=True, text=True, cwd=ROOT
     )
     assert result.returncode == 2 and "needs a CUDA GPU" in result.stderr, result.stderr
+
+
+def test_profile_refuses_a_capacity_factor_below_one():
+    result = subprocess.run(
+        [sys.executable, "-m", "megatron_ext.bench.profile", "--capacity-factor", "0.5"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert result.returncode == 2 and "--capacity-factor 0.5 would drop tokens" in result.stderr, result.stderr
