@@ -8,7 +8,9 @@
 #   bench: the three sizes with the deep_ep rows and the overflow re-run policy's rows, --repeat 3.
 #   again: the deep_ep tests after their fixes, and the mid and small sizes (in `bench` they ran
 #          into their timeouts while deep_ep compiled its kernels).
-# What ran: call 1 `tests` (s3-call1-tests.log), call 2 `bench` (s3-call2-*), call 3 `again` (s3-call3-*).
+# What ran: call 1 `tests` (s3-call1-tests.log), call 2 `bench` (s3-call2-*), call 3 `again` (s3-call3-*),
+# call 4 (warm, by hand, after the counts fix): `timeout 130 python3 -m pytest -q -m gpu
+# tests/test_gpu_deep_ep.py` (its output was cut at the limit: cases 0-2 passed, "...", then killed).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 CUDA_HOME=/usr/local/cuda PATH=/usr/local/cuda/bin:$PATH
 export HYBRID_EP_CACHE_DIR=/tmp/hybrid_ep_jit
