@@ -42,6 +42,7 @@ from megatron_ext.capacity import capacity_from_rows, equal_count_padding
 from megatron_ext.hybridep import autograd, overflow_flag
 from megatron_ext.hybridep.buffers import get_buffer
 from megatron_ext.hybridep.protocol import Handle, HybridEPBuffer
+from megatron_ext.logs import once_per_group
 from megatron_ext.options import HybridEPOptions, flag, resolve_implementation, validate
 
 logger = logging.getLogger(__name__)
@@ -226,7 +227,7 @@ class HybridEPCapacityManager:
             if self.capacity is not None and self.log_metrics:  # a re-run: rows against the capacity outgrown
                 self._record_capacity_use(torch.full((), rows, dtype=torch.float32, device=dispatched.device))
             if self.options.capacity_factor is not None and self.capacity is None:
-                self._calibrate(rows, dispatched.device)
+                self._calibrate(rows)
             capacity = rows  # combine's backward dispatches exactly these rows, non-blocking
         else:
             self.stats.non_blocking_dispatches += 1
@@ -269,18 +270,16 @@ class HybridEPCapacityManager:
             return None
         return self.capacity
 
-    def _calibrate(self, rows: int, device: torch.device) -> None:
+    def _calibrate(self, rows: int) -> None:
         self.local_calibration_rows = rows
-        largest = torch.full((1,), rows, dtype=torch.int64, device=device)
-        dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=self.group)
-        self.calibrated_rows = int(largest.item())  # the one host read of capacity mode, per layer
+        self.calibrated_rows = self._group_max(rows)  # the one host read of capacity mode, per layer
         self.capacity = capacity_from_rows(self.calibrated_rows, self.options.capacity_factor, self.pad_multiple)
         self.stats.calibrations += 1
         self.stats.capacities.append(self.capacity)
         if not torch.is_grad_enabled() and not in_backward():
             self._recompute_blocking += 1
         logger.log(
-            self._log_level(logging.INFO),
+            once_per_group(logging.INFO, self.group),
             "megatron-ext: %s: calibrated %d rows (EP-group max %d) x %s -> capacity %d.",
             self.name,
             rows,
@@ -312,9 +311,7 @@ class HybridEPCapacityManager:
         """Size the capacity to the EP-group maximum of `local_rows` x the factor if that is more
         than it has; return the new capacity, or None when it stays. One all-reduce and one host
         read: call it between steps only (`megatron_ext.recovery` does)."""
-        largest = torch.as_tensor(local_rows, dtype=torch.int64).reshape(1).to(self._device()).clone()
-        dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=self.group)
-        rows = int(largest.item())
+        rows = self._group_max(local_rows)
         capacity = capacity_from_rows(rows, self.options.capacity_factor, self.pad_multiple)
         if self.capacity is not None and capacity <= self.capacity:
             # Rounding kept the capacity: count the rows as learned, so that the headroom check
@@ -322,7 +319,7 @@ class HybridEPCapacityManager:
             self.calibrated_rows = max(self.calibrated_rows or 0, rows)
             return None
         logger.log(
-            self._log_level(logging.WARNING),
+            once_per_group(logging.WARNING, self.group),
             "megatron-ext: %s: capacity %s -> %d (%s: %d rows, EP-group max, x %s).",
             self.name,
             self.capacity,
@@ -336,15 +333,16 @@ class HybridEPCapacityManager:
         self.stats.capacities.append(capacity)
         return capacity
 
-    def _log_level(self, level: int) -> int:
-        """`level` on the EP group's first rank, DEBUG on the others: what the group shares is
-        logged once per group, not once per rank."""
-        return level if dist.get_rank(self.group) == 0 else logging.DEBUG
-
-    def _device(self) -> torch.device:
-        if dist.get_backend(self.group) == "nccl":
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
+    def _group_max(self, local_rows: int | torch.Tensor) -> int:
+        """The EP group's maximum of `local_rows` (a host int or a device scalar): one all-reduce
+        and one host read."""
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(self.group) == "nccl" else "cpu"
+        if isinstance(local_rows, torch.Tensor):
+            largest = local_rows.reshape(1).to(device=device, dtype=torch.int64).clone()
+        else:  # made on the device: no copy from host memory
+            largest = torch.full((1,), local_rows, dtype=torch.int64, device=device)
+        dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=self.group)
+        return int(largest.item())
 
     def _assert_no_overflow(self, handle: Handle) -> None:
         overflow = overflow_flag(handle)

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ext.dispatcher import HybridEPCapacityManager
+from megatron_ext.logs import once_per_job
 
 logger = logging.getLogger(__name__)
 
@@ -110,8 +111,9 @@ def _resumed_iteration() -> int:
 def _say_capacities_are_relearned(managers: list[HybridEPCapacityManager]) -> None:
     """Capacities are not stored in checkpoints: a resumed run learns them again, and says so."""
     iteration = _resumed_iteration()
-    if iteration > 0 and any(m.capacity is None for m in managers) and dist.get_rank() == 0:
-        logger.info(
+    if iteration > 0 and any(m.capacity is None for m in managers):
+        logger.log(
+            once_per_job(logging.INFO),
             "megatron-ext: resumed at iteration %d: the capacity of each of the %d capacity-mode MoE layers is "
             "learned again by one blocking dispatch in this step (capacities are not stored in checkpoints); "
             "the steps are the same as blocking dispatch gives, whatever the capacity.",
@@ -189,12 +191,12 @@ class OverflowRerun:
                     self.resizes += 1
                 return result
             self.reruns += 1
-            if dist.get_rank() == 0:
-                logger.warning(
-                    "megatron-ext: a capacity-mode MoE dispatch overflowed in this step; its gradients are "
-                    "discarded and its micro-batches run again with blocking dispatches (re-run %d).",
-                    self.reruns,
-                )
+            logger.log(
+                once_per_job(logging.WARNING),
+                "megatron-ext: a capacity-mode MoE dispatch overflowed in this step; its gradients are "
+                "discarded and its micro-batches run again with blocking dispatches (re-run %d).",
+                self.reruns,
+            )
             if not kwargs.get("forward_only", False):
                 _discard_gradients(chunks)
             for manager in managers:
