@@ -7,6 +7,7 @@ construction, and in the dispatcher. Every message names the flag and the fix.
 
 from __future__ import annotations
 
+import argparse
 import math
 from dataclasses import dataclass, fields
 from typing import Any, Final, Literal, Optional, get_args
@@ -83,6 +84,19 @@ def check_capacity_factor(factor: Any, name: str = CAPACITY_FACTOR_FLAG) -> floa
             f"calibration){unset}."
         )
     return factor
+
+
+def capacity_factor_argument(text: str) -> float:
+    """argparse `type=` of the tools' `--capacity-factor` (the bench, its profile, the round trip):
+    `check_capacity_factor`, its error a parse error."""
+    try:
+        factor = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--capacity-factor {text!r} is not a number") from None
+    try:
+        return check_capacity_factor(factor, "--capacity-factor")
+    except HybridEPConfigError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def deep_ep_import_error() -> Optional[str]:

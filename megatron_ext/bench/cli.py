@@ -27,7 +27,7 @@ from megatron_ext.bench.modes import all_modes, select
 from megatron_ext.bench.run import Sizes
 from megatron_ext.bench.stack import DTYPES
 from megatron_ext.logs import log_with_rank_prefix
-from megatron_ext.options import HybridEPConfigError, check_capacity_factor
+from megatron_ext.options import capacity_factor_argument
 from megatron_ext.tooling.ranks import run_on_ranks, this_rank, under_torchrun
 
 
@@ -57,7 +57,10 @@ def parser() -> argparse.ArgumentParser:
         "aligned with it (0: balanced on average; 1: the shift is as large as the tokens' spread)",
     )
     size.add_argument(
-        "--capacity-factor", type=float, default=1.5, help="--moe-hybridep-capacity-factor of capacity modes (1.5)"
+        "--capacity-factor",
+        type=capacity_factor_argument,
+        default=1.5,
+        help="--moe-hybridep-capacity-factor of capacity modes (1.5)",
     )
     run = p.add_argument_group("the run")
     run.add_argument("--modes", default=None, help="comma-separated modes to run (blocking always runs); default all")
@@ -110,10 +113,6 @@ def parse(argv=None) -> argparse.Namespace:
         p.error(f"--topk {args.topk} must be between 1 and --experts ({args.experts})")
     if args.experts % args.world_size:
         p.error(f"--experts {args.experts} must be divisible by the {args.world_size} ranks (one EP group)")
-    try:
-        check_capacity_factor(args.capacity_factor, "--capacity-factor")
-    except HybridEPConfigError as error:
-        p.error(str(error))
     try:
         args.selected = select(args.modes.split(",") if args.modes else None, args.capacity_factor)
     except ValueError as error:

@@ -25,8 +25,6 @@ from collections.abc import Iterator
 
 import torch
 
-from megatron_ext.options import HybridEPConfigError, check_capacity_factor
-
 
 @contextlib.contextmanager
 def one_gpu_rank(seed: int = 0) -> Iterator[torch.device]:
@@ -151,10 +149,6 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="profile", help="folder for the tables and snapshots (default profile/)")
     p.add_argument("--top", type=int, default=25, help="rows per table (default 25)")
     args = p.parse_args(argv)
-    try:
-        check_capacity_factor(args.capacity_factor, "--capacity-factor")
-    except HybridEPConfigError as error:
-        p.error(str(error))
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU (it profiles GPU kernels)")
     from megatron_ext.bench.modes import select

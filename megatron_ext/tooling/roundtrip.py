@@ -24,7 +24,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from megatron_ext.options import HybridEPConfigError, check_capacity_factor
+from megatron_ext.options import capacity_factor_argument
 from megatron_ext.tooling.ranks import run_on_ranks, this_rank, under_torchrun
 
 
@@ -37,16 +37,17 @@ def _parse(argv=None):
     p.add_argument("--experts", type=int, default=16, help="experts in all (default 16; divisible by ranks)")
     p.add_argument("--topk", type=int, default=4, help="experts per token (default 4)")
     p.add_argument("--pad-multiple", type=int, default=None, help="pad each expert's rows to this multiple")
-    p.add_argument("--capacity-factor", type=float, default=1.5, help="non-blocking capacity = ceil(rows x factor)")
+    p.add_argument(
+        "--capacity-factor",
+        type=capacity_factor_argument,
+        default=1.5,
+        help="non-blocking capacity = ceil(rows x factor)",
+    )
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
     p.add_argument("--iters", type=int, default=5, help="timed dispatches per mode (default 5)")
     args = p.parse_args(argv)
     if not 1 <= args.topk <= args.experts:
         p.error(f"--topk {args.topk} must be between 1 and --experts ({args.experts})")
-    try:
-        check_capacity_factor(args.capacity_factor, "--capacity-factor")
-    except HybridEPConfigError as error:
-        p.error(str(error))
     return args
 
 
