@@ -47,6 +47,14 @@ from megatron_ext.options import HybridEPOptions, flag, resolve_implementation, 
 
 logger = logging.getLogger(__name__)
 
+
+def group_device(group: Optional[dist.ProcessGroup] = None) -> torch.device:
+    """Where `group`'s collectives take their tensors: this rank's GPU on NCCL, else the CPU."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 # HybridEP's kernels work on 64-token chunks; Megatron pads uneven inputs to this too.
 TOKEN_ALIGNMENT = 64
 
@@ -336,7 +344,7 @@ class HybridEPCapacityManager:
     def _group_max(self, local_rows: int | torch.Tensor) -> int:
         """The EP group's maximum of `local_rows` (a host int or a device scalar): one all-reduce
         and one host read."""
-        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(self.group) == "nccl" else "cpu"
+        device = group_device(self.group)
         if isinstance(local_rows, torch.Tensor):
             largest = local_rows.reshape(1).to(device=device, dtype=torch.int64).clone()
         else:  # made on the device: no copy from host memory

@@ -32,7 +32,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from megatron_ext.dispatcher import HybridEPCapacityManager
+from megatron_ext.dispatcher import HybridEPCapacityManager, group_device
 from megatron_ext.logs import once_per_job
 
 logger = logging.getLogger(__name__)
@@ -122,12 +122,6 @@ def _say_capacities_are_relearned(managers: list[HybridEPCapacityManager]) -> No
         )
 
 
-def _flag_device() -> torch.device:
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 class OverflowRerun:
     """Megatron's `forward_backward_func`, re-run blocking when a capacity-mode dispatch overflowed."""
 
@@ -141,7 +135,7 @@ class OverflowRerun:
     def _check(managers: list[HybridEPCapacityManager], overflows_before: list) -> tuple[bool, bool]:
         """(any rank's layer overflowed since `overflows_before`, any rank's layer used more than
         half its headroom): one all-reduce over every rank and the step's one host read."""
-        flags = torch.zeros(2, dtype=torch.int32, device=_flag_device())
+        flags = torch.zeros(2, dtype=torch.int32, device=group_device())
         for manager, before in zip(managers, overflows_before, strict=True):
             if manager.overflows is not None and manager.overflows is not before:
                 new = manager.overflows if before is None else manager.overflows - before
