@@ -24,9 +24,9 @@ def run_ranks(world_size: int, fn, *args, backend: str = "gloo") -> None:
     """Call fn(rank, world_size, *args) on `world_size` spawned processes; re-raise the first failure.
 
     `fn` must be importable (a module-level function of a test module). With backend "nccl" rank i
-    runs on GPU i. (`megatron_ext.tooling.ranks.run_on_ranks`, each rank ending with `os._exit`.)
+    runs on GPU i. (`megatron_ext.tooling.ranks.run_on_ranks`.)
     """
-    run_on_ranks(_one_thread, world_size, fn, *args, backend=backend, hard_exit=True)
+    run_on_ranks(_one_thread, world_size, fn, *args, backend=backend)
 
 
 @contextlib.contextmanager

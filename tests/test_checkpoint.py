@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import logging
-import multiprocessing
 import os
 
 import pytest
@@ -177,14 +176,7 @@ CHECKS = (
 def _worker(rank, world_size, out_dir):
     # Megatron's checkpoint writer waits for the GPU before it copies tensors; CPU ranks have none.
     torch.cuda.synchronize = lambda *args, **kwargs: None
-    try:
-        run_megatron_checks(rank, world_size, out_dir, CHECKS, lambda check: (os.path.join(out_dir, check.__name__),))
-    finally:
-        # The writer keeps a multiprocessing Manager for its results; a spawned rank ends with
-        # os._exit, which skips the Manager's shutdown: stop it, or it outlives the test run.
-        for child in multiprocessing.active_children():
-            child.terminate()
-            child.join()
+    run_megatron_checks(rank, world_size, out_dir, CHECKS, lambda check: (os.path.join(out_dir, check.__name__),))
 
 
 results = results_fixture(_worker, WORLD_SIZES)

@@ -9,6 +9,7 @@ local rank's, or the spawned rank's).
 from __future__ import annotations
 
 import datetime
+import multiprocessing.util
 import os
 import sys
 import tempfile
@@ -35,7 +36,7 @@ def _call(fn: Callable[..., Any], args: tuple, rank: int, world_size: int) -> No
         dist.destroy_process_group()
 
 
-def _spawned(rank, world_size, init_file, backend, timeout_s, fn, args, hard_exit) -> None:
+def _spawned(rank, world_size, init_file, backend, timeout_s, fn, args) -> None:
     if backend == "nccl":
         torch.cuda.set_device(rank % torch.cuda.device_count())
     timeout = datetime.timedelta(seconds=timeout_s)
@@ -43,13 +44,15 @@ def _spawned(rank, world_size, init_file, backend, timeout_s, fn, args, hard_exi
         backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size, timeout=timeout
     )
     _call(fn, args, rank, world_size)
-    if hard_exit:
-        # Every outcome is on disk now. Leave without the interpreter's teardown: on 2-core CI
-        # machines it aborted now and then in a C++ thread destructor ("terminate called without an
-        # active exception", no Python frame) after the work had finished and been saved.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+    # Every outcome is on disk now. Leave without the interpreter's teardown: on 2-core CI machines
+    # it aborted now and then in a C++ thread destructor ("terminate called without an active
+    # exception", no Python frame) after the work had finished and been saved. What
+    # multiprocessing does at exit still runs (its finalizers release semaphores and stop the
+    # Manager processes a rank started, e.g. Megatron's checkpoint writer's).
+    multiprocessing.util._exit_function()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_on_ranks(
@@ -58,15 +61,14 @@ def run_on_ranks(
     *args: Any,
     backend: str = "gloo",
     timeout_s: float = 1800,
-    hard_exit: bool = False,
 ) -> None:
     """Call `fn(rank, world_size, *args)` on every rank, inside a process group made for the call.
 
     Under torchrun this process is the one rank it runs here (`world_size` is the launcher's).
     Spawned ranks: a rank's exception is raised here (torch's ProcessRaisedException, with the
     rank's traceback) once the others were stopped; `fn` must be importable (module level), and
-    what it returns is dropped, so ranks report through files. `hard_exit` ends each spawned rank
-    with `os._exit(0)` after `fn` returned.
+    what it returns is dropped, so ranks report through files: a spawned rank ends with
+    `os._exit(0)` once `fn` returned, without the interpreter's teardown.
     """
     if under_torchrun():
         if backend == "nccl":
@@ -77,5 +79,5 @@ def run_on_ranks(
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as tmp:
-        entry = (world_size, os.path.join(tmp, "init"), backend, timeout_s, fn, args, hard_exit)
+        entry = (world_size, os.path.join(tmp, "init"), backend, timeout_s, fn, args)
         mp.spawn(_spawned, args=entry, nprocs=world_size, join=True)
