@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.distributed import assert_ok, results_fixture
-from tests.megatron_env import FLEX, copy_weights, make_config, moe_layer, run_megatron_checks, step_inputs
+from tests.megatron_env import FLEX, copy_weights, make_config, moe_layer, on_gpu, run_megatron_checks, step_inputs
 
 HIDDEN = 16
 WORLD_SIZES = (1, 2)
@@ -26,7 +26,7 @@ def _forward_backward(*, model, data_iterator, num_microbatches, forward_only=Fa
     for _ in range(num_microbatches):
         x = next(data_iterator)
         out = layer(x)[0]
-        loss = (out * torch.linspace(-1.0, 1.0, out.numel()).view_as(out)).sum()
+        loss = (out * torch.linspace(-1.0, 1.0, out.numel(), device=out.device).view_as(out)).sum()
         if not forward_only:
             loss.backward()
         losses.append(loss.detach())
@@ -75,7 +75,7 @@ def overflow_reruns_the_step_blocking_and_grows_the_capacity(rank, world):
     assert runner.reruns == 1
     # the re-run's dispatches were blocking, one per micro-batch
     assert manager.stats.blocking_dispatches - blocking_dispatches == MICROBATCHES
-    local = torch.tensor([manager.blocking_rows_max])
+    local = torch.tensor([manager.blocking_rows_max], device="cuda" if on_gpu() else "cpu")
     torch.distributed.all_reduce(local, op=torch.distributed.ReduceOp.MAX)
     assert manager.capacity == capacity_from_rows(int(local), 1.5, None) > 4
     assert not manager.record_overflow and not manager.force_blocking  # nothing left switched on

@@ -1,0 +1,56 @@
+#!/bin/bash
+# The fourth GPU session of 2026-12-01, from the repository root:
+# `bash docs/results/h200-2026-12-01/session4.sh STAGE`, carrying .whl/ (megatron-core 0.19.2,
+# ../shared/tools/deep_ep's wheel, DeepEP's tests in .whl/deepep_tests/). Results: s4-* beside this file.
+#   verify: every one-GPU test at HEAD (the deep_ep files last: they JIT-compile), the buffer's
+#           round trip and where one dispatch call's host time goes (host_ops.py).
+#   bench:  the three sizes, every mode, --repeat 3, and the round trip.
+set -uo pipefail
+export PYTHONUNBUFFERED=1 CUDA_HOME=/usr/local/cuda PATH=/usr/local/cuda/bin:$PATH
+export HYBRID_EP_CACHE_DIR=/tmp/hybrid_ep_jit
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+[ -d /tmp/site/deep_ep ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=$PWD:/tmp/site
+LARGE="--layers 8 --tokens 8192 --hidden 4096 --ffn-hidden 1024 --experts 64 --topk 8"
+MID="--layers 4 --tokens 4096 --hidden 2048 --ffn-hidden 1024 --experts 32 --topk 4"
+SMALL="--layers 8 --tokens 512 --hidden 512 --ffn-hidden 256 --experts 16 --topk 2"
+ALL=megatron,blocking,capacity+equal,capacity+equal+rerun,deep_ep,deep_ep+capacity+equal+reuse,deep_ep+capacity+equal+reuse+rerun
+nvidia-smi --query-gpu=index,name,driver_version --format=csv,noheader
+
+bench() {  # bench NAME TIMEOUT ARGS...: one bench run, its table to the log, its JSON to $OUT/NAME.json
+  local name=$1 limit=$2; shift 2
+  echo "=== bench $name $(date -u +%H:%M:%S)"
+  timeout "$limit" python3 -m megatron_ext.bench "$@" --no-progress --json "$OUT/$name.json" 2>&1 | grep -v Warning
+}
+tests() {  # tests LIMIT FILES...
+  local limit=$1; shift
+  echo "=== tests $* $(date -u +%H:%M:%S)"
+  timeout "$limit" python3 -m pytest -q -m gpu -p no:cacheprovider -rfs --tb=short "$@" 2>&1 | grep -v Warning | tail -40
+}
+roundtrip() {
+  echo "=== roundtrip $(date -u +%H:%M:%S)"
+  timeout 90 python3 -m megatron_ext.tooling.roundtrip --backend nccl --world-size 1 --iters 50 \
+    --tokens 8192 --hidden 4096 --experts 64 --topk 8 2>&1 | grep -v Warning
+}
+
+case ${1:-} in
+  verify)
+    {
+      tests 170 tests/test_fused.py tests/test_experts.py tests/test_gpu_buffer.py tests/test_gpu_moe_layer.py tests/test_gpu_recovery.py
+      roundtrip
+      echo "=== host_ops $(date -u +%H:%M:%S)"
+      timeout 60 python3 docs/results/h200-2026-12-01/host_ops.py 2>&1 | grep -v Warning
+      tests 330 tests/test_gpu_deep_ep.py tests/test_gpu_deep_ep_layer.py
+    } > "$OUT/verify.log" 2>&1
+    grep -hE "^=== |passed|failed|error|host ms|GPU ops" "$OUT/verify.log" | head -80 ;;
+  bench)
+    {
+      roundtrip
+      bench large 260 $LARGE --check-steps 1 --steps 5 --repeat 3 --modes $ALL
+      bench mid 150 $MID --steps 10 --repeat 3 --modes $ALL
+      bench small 150 $SMALL --steps 20 --repeat 3 --modes $ALL
+    } > "$OUT/bench.log" 2>&1
+    grep -hE "^=== |host ms|^(megatron|blocking|capacity|deep_ep|mode )|OK|FAIL" "$OUT/bench.log" ;;
+  *) echo "usage: $0 verify|bench" >&2; exit 2 ;;
+esac
