@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -180,23 +180,130 @@ if triton is not None:
         index_ptr,
         out_ptr,
         n_ptr,
+        S,
         H: tl.constexpr,
         BLOCK_R: tl.constexpr,
         BLOCK_H: tl.constexpr,
         PROGRAMS: tl.constexpr,
     ):
+        # out[r] = src[index[r]] for r < n; an index >= S (a padding row) gives a zero row.
         n = tl.load(n_ptr)
         block = tl.program_id(0)
         while block * BLOCK_R < n:
             rows = block * BLOCK_R + tl.arange(0, BLOCK_R)
             live = rows < n
             src_rows = tl.load(index_ptr + rows, mask=live, other=0).to(tl.int64)
+            exists = src_rows < S
             for start in range(0, H, BLOCK_H):
                 cols = start + tl.arange(0, BLOCK_H)
-                mask = live[:, None] & (cols < H)[None, :]
-                values = tl.load(src_ptr + src_rows[:, None] * H + cols[None, :], mask=mask)
-                tl.store(out_ptr + rows[:, None].to(tl.int64) * H + cols[None, :], values, mask=mask)
+                in_width = (cols < H)[None, :]
+                values = tl.load(
+                    src_ptr + src_rows[:, None] * H + cols[None, :], mask=(live & exists)[:, None] & in_width, other=0
+                )
+                tl.store(
+                    out_ptr + rows[:, None].to(tl.int64) * H + cols[None, :], values, mask=live[:, None] & in_width
+                )
             block += PROGRAMS
+
+    @triton.jit
+    def _gather_values_kernel(src_ptr, index_ptr, out_ptr, C, S, BLOCK: tl.constexpr):
+        # out[r] = src[index[r]] for r < C, 0 where index[r] >= S.
+        at = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        live = at < C
+        index = tl.load(index_ptr + at, mask=live, other=0)
+        tl.store(out_ptr + at, tl.load(src_ptr + index, mask=live & (index < S), other=0), mask=live)
+
+    @triton.jit
+    def _block_counts_kernel(map_ptr, out_ptr, N, stride, L: tl.constexpr, L_P2: tl.constexpr, BLOCK_N: tl.constexpr):
+        # out[b, e]: how many of tokens [b * BLOCK_N, (b + 1) * BLOCK_N) the map routes to expert e.
+        b = tl.program_id(0)
+        tokens = b * BLOCK_N + tl.arange(0, BLOCK_N)
+        experts = tl.arange(0, L_P2)
+        mask = (tokens < N)[:, None] & (experts < L)[None, :]
+        routed = tl.load(map_ptr + tokens[:, None].to(tl.int64) * stride + experts[None, :], mask=mask, other=0)
+        tl.store(out_ptr + b * L + experts, tl.sum(routed.to(tl.int32), axis=0), mask=experts < L)
+
+    @triton.jit
+    def _layout_kernel(
+        map_ptr,
+        stride,
+        block_counts_ptr,
+        block_ends_ptr,
+        slot_of_token_ptr,
+        row_slot_ptr,
+        row_code_ptr,
+        slot_rows_ptr,
+        tokens_per_expert_ptr,
+        overflow_ptr,
+        real_rows_ptr,
+        N,
+        capacity,
+        num_slots,
+        pad,
+        num_blocks,
+        L: tl.constexpr,
+        L_P2: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_S: tl.constexpr,
+        HAS_SLOTS: tl.constexpr,
+    ):
+        b = tl.program_id(0)
+        experts = tl.arange(0, L_P2)
+        is_expert = experts < L
+        # Every program derives the segments from the totals (the last row of the block scan).
+        counts = tl.load(block_ends_ptr + (num_blocks - 1) * L + experts, mask=is_expert, other=0).to(tl.int64)
+        padded = (counts + pad - 1) // pad * pad
+        ends = tl.cumsum(padded, axis=0)
+        starts = ends - padded
+        total = tl.sum(padded, axis=0)
+        # Rows of this block's routed pairs: segment start + tokens of the expert in earlier blocks
+        # + rank within the block (ascending token index).
+        earlier = tl.load(block_ends_ptr + b * L + experts, mask=is_expert, other=0) - tl.load(
+            block_counts_ptr + b * L + experts, mask=is_expert, other=0
+        )
+        tokens = b * BLOCK_N + tl.arange(0, BLOCK_N)
+        is_token = tokens < N
+        in_map = is_token[:, None] & is_expert[None, :]
+        routed = tl.load(map_ptr + tokens[:, None].to(tl.int64) * stride + experts[None, :], mask=in_map, other=0)
+        routed = routed.to(tl.int32)
+        rank = tl.cumsum(routed, axis=0) - routed
+        rows = (starts + earlier)[None, :] + rank.to(tl.int64)
+        kept = (routed != 0) & in_map & (rows < capacity)
+        if HAS_SLOTS:
+            slot = tl.load(slot_of_token_ptr + tokens, mask=is_token, other=0).to(tl.int64)
+            has_slot = tl.max(routed, axis=1) > 0
+        else:
+            slot = tokens.to(tl.int64)
+            has_slot = is_token
+        code = slot[:, None] * L + experts[None, :]
+        tl.store(row_slot_ptr + rows, slot[:, None] + 0 * rows, mask=kept)
+        tl.store(row_code_ptr + rows, code, mask=kept)
+        tl.store(slot_rows_ptr + code, tl.where(kept, rows, -1).to(tl.int32), mask=in_map & has_slot[:, None])
+        # Padding rows (each expert's last segment rows past its tokens) and spare rows past the
+        # padded total point at slot `num_slots`, which holds no token.
+        padding_start = starts + counts
+        j = b
+        while j < pad:
+            at = padding_start + j
+            fill = is_expert & (at < ends) & (at < capacity)
+            tl.store(row_slot_ptr + at, num_slots + 0 * at, mask=fill)
+            tl.store(row_code_ptr + at, num_slots * L + 0 * at, mask=fill)
+            j += num_blocks
+        spare = total + b * BLOCK_S
+        while spare < capacity:
+            at = spare + tl.arange(0, BLOCK_S)
+            fill = at < capacity
+            tl.store(row_slot_ptr + at, num_slots + 0 * at, mask=fill)
+            tl.store(row_code_ptr + at, num_slots * L + 0 * at, mask=fill)
+            spare += num_blocks * BLOCK_S
+        if b == 0:
+            tl.store(
+                tokens_per_expert_ptr + experts,
+                tl.minimum(ends, capacity) - tl.minimum(starts, capacity),
+                mask=is_expert,
+            )
+            tl.store(overflow_ptr, (total > capacity).to(tl.int32))
+            tl.store(real_rows_ptr, tl.minimum(total, capacity))
 
     @triton.jit
     def _sum_rows_per_slot_kernel(
@@ -281,23 +388,155 @@ def activation_probs_backward(
 
 
 def gather_rows(src: torch.Tensor, index: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
-    """`out[r] = src[index[r]]` for r < n.
+    """`out[r] = src[index[r]]` for r < n, a zero row where `index[r] >= S`.
 
     Args:
-        src: `[S, H]`. index: `[C]` integer, values in [0, S) for r < n. n: one-element device tensor.
+        src: `[S, H]`. index: `[C]` integer, values >= 0 for r < n (S or more: a padding row).
+        n: one-element device tensor.
 
     Returns:
         `[C, H]` in src's dtype; rows >= n unwritten.
     """
     _check_count(n, src.device)
     src, index = src.contiguous(), index.contiguous()
-    H = src.shape[1]
+    S, H = src.shape
     out = torch.empty(index.shape[0], H, dtype=src.dtype, device=src.device)
     block_h = _pow2(H, 1024)
     block_r = max(1, 4096 // block_h)
     programs = _grid(src, triton.cdiv(index.shape[0], block_r))
-    _gather_rows_kernel[(programs,)](src, index, out, n, H, BLOCK_R=block_r, BLOCK_H=block_h, PROGRAMS=programs)
+    _gather_rows_kernel[(programs,)](src, index, out, n, S, H, BLOCK_R=block_r, BLOCK_H=block_h, PROGRAMS=programs)
     return out
+
+
+def gather_values(src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """`out[r] = src.flatten()[index[r]]`, 0 where `index[r] >= src.numel()` (one launch).
+
+    Args:
+        src: any shape, read flat. index: `[C]` integer, values >= 0.
+
+    Returns:
+        `[C]` in src's dtype.
+    """
+    src, index = src.contiguous(), index.contiguous()
+    out = torch.empty(index.shape[0], dtype=src.dtype, device=src.device)
+    if index.numel():
+        block = 1024
+        _gather_values_kernel[(triton.cdiv(index.numel(), block),)](
+            src, index, out, index.numel(), src.numel(), BLOCK=block
+        )
+    return out
+
+
+class Layout(NamedTuple):
+    """One rank's dispatch layout, made on the device by `dispatch_layout` (see hybridep/layout.py).
+
+    row_slot: `[capacity]` int64, the receive slot of each row (`num_slots` for padding and spare rows).
+    row_code: `[capacity]` int64, `slot * L + e` of each row (`num_slots * L` for padding and spare rows).
+    slot_rows: `[num_slots, L]` int32, the row of (slot, expert), -1 where none.
+    tokens_per_expert: `[L]` int64, padded counts truncated to the capacity.
+    overflow: `[1]` int32, 1 when the padded total exceeds the capacity.
+    real_rows: `[1]` int64, min(padded total, capacity).
+    """
+
+    row_slot: torch.Tensor
+    row_code: torch.Tensor
+    slot_rows: torch.Tensor
+    tokens_per_expert: torch.Tensor
+    overflow: torch.Tensor
+    real_rows: torch.Tensor
+
+
+class BlockCounts(NamedTuple):
+    """Per block of tokens, how many each local expert received (`counts`) and the running total
+    over blocks (`ends`, inclusive); `ends[-1]` holds the experts' totals. Both `[blocks, L]` int32."""
+
+    counts: torch.Tensor
+    ends: torch.Tensor
+    block: int
+
+    def totals(self) -> torch.Tensor:
+        """`[L]` int64: tokens routed to each local expert."""
+        return self.ends[-1].long()
+
+
+def _map_bytes(local_map: torch.Tensor) -> tuple[torch.Tensor, int]:
+    if local_map.dim() != 2 or local_map.dtype is not torch.bool or local_map.stride(1) != 1:
+        raise ValueError(f"fused: the routing map must be a [N, L] bool tensor of unit column stride; got {local_map}")
+    return local_map.view(torch.uint8), local_map.stride(0)
+
+
+def _token_block(num_local: int) -> int:
+    return max(16, min(256, 4096 // triton.next_power_of_2(num_local)))
+
+
+def block_counts(local_map: torch.Tensor) -> BlockCounts:
+    """Count the routed tokens of each local expert per block of tokens (two launches).
+
+    Args:
+        local_map: `[N, L]` bool, rows of any stride, columns contiguous (a column slice of the
+            gathered `[N, E]` map is taken as it is).
+    """
+    data, stride = _map_bytes(local_map)
+    num_tokens, num_local = local_map.shape
+    block = _token_block(num_local)
+    blocks = max(1, triton.cdiv(num_tokens, block))
+    counts = torch.empty(blocks, num_local, dtype=torch.int32, device=local_map.device)
+    _block_counts_kernel[(blocks,)](
+        data, counts, num_tokens, stride, L=num_local, L_P2=triton.next_power_of_2(num_local), BLOCK_N=block
+    )
+    return BlockCounts(counts, counts.cumsum(0, dtype=torch.int32), block)
+
+
+def dispatch_layout(
+    local_map: torch.Tensor,
+    counts: BlockCounts,
+    capacity: int,
+    pad_multiple: Optional[int],
+    num_slots: int,
+    slot_of_token: Optional[torch.Tensor] = None,
+) -> Layout:
+    """The permuted layout of `hybridep.layout.expert_layout`, with the row tables a fused
+    dispatch and combine read, in one launch after `block_counts`.
+
+    Args:
+        local_map: the map `counts` came from. capacity: output rows (host int).
+        num_slots: receive slots; slot of token g: g (`slot_of_token` None), or `slot_of_token[g]`
+            for the tokens that have a local expert (the others get no slot).
+    """
+    data, stride = _map_bytes(local_map)
+    num_tokens, num_local = local_map.shape
+    device = local_map.device
+    row_slot = torch.empty(capacity, dtype=torch.int64, device=device)
+    row_code = torch.empty(capacity, dtype=torch.int64, device=device)
+    slot_rows = torch.empty(num_slots, num_local, dtype=torch.int32, device=device)
+    tokens_per_expert = torch.empty(num_local, dtype=torch.int64, device=device)
+    overflow = torch.empty(1, dtype=torch.int32, device=device)
+    real_rows = torch.empty(1, dtype=torch.int64, device=device)
+    blocks = counts.counts.shape[0]
+    _layout_kernel[(blocks,)](
+        data,
+        stride,
+        counts.counts,
+        counts.ends,
+        slot_of_token if slot_of_token is not None else row_slot,  # not read without slots
+        row_slot,
+        row_code,
+        slot_rows,
+        tokens_per_expert,
+        overflow,
+        real_rows,
+        num_tokens,
+        capacity,
+        num_slots,
+        pad_multiple or 1,
+        blocks,
+        L=num_local,
+        L_P2=triton.next_power_of_2(num_local),
+        BLOCK_N=counts.block,
+        BLOCK_S=1024,
+        HAS_SLOTS=slot_of_token is not None,
+    )
+    return Layout(row_slot, row_code, slot_rows, tokens_per_expert, overflow, real_rows)
 
 
 def sum_rows_per_slot(rows: torch.Tensor, table: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -99,6 +99,97 @@ def test_gather_rows_copies_the_first_n_rows_exactly(device, dtype, rows, n, wid
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_gather_rows_reads_an_index_past_the_source_as_a_zero_row(device):
+    gen = torch.Generator().manual_seed(3)
+    src = torch.randn(20, 24, generator=gen).to(device=device, dtype=torch.bfloat16)
+    index = torch.tensor([3, 20, 7, 10**6, 19, 20])  # 20 and beyond: padding rows
+    out = fused.gather_rows(src, index.to(device), _count(6, device))
+    assert torch.equal(out[[0, 2, 4]], src[[3, 7, 19]])
+    assert torch.equal(out[[1, 3, 5]], torch.zeros(3, 24, dtype=torch.bfloat16, device=device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gather_values_gives_zero_past_the_source(device):
+    gen = torch.Generator().manual_seed(4)
+    src = torch.randn(7, 5, generator=gen).to(device)
+    index = torch.randint(0, 45, (3000,), generator=gen)  # 35 and beyond: past the source
+    expected = torch.where(index < 35, src.cpu().flatten()[index.clamp(max=34)], 0.0)
+    assert torch.equal(fused.gather_values(src, index.to(device)).cpu(), expected)
+
+
+def _layout_reference(local_map, capacity, pad, slot_of_token):
+    """The permuted layout by a loop: per expert, its tokens in ascending order, then padding rows
+    up to a multiple of `pad`; rows past `capacity` dropped. Returns (row slot or None per row,
+    expert per row, padded counts, total)."""
+    slots, experts, counts = [], [], []
+    for e in range(local_map.shape[1]):
+        tokens = local_map[:, e].nonzero().flatten().tolist()
+        padded = -(-len(tokens) // pad) * pad
+        slots += [int(slot_of_token[t]) for t in tokens] + [None] * (padded - len(tokens))
+        experts += [e] * padded
+        counts.append(padded)
+    return slots[:capacity], experts[:capacity], counts, len(slots)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    "tokens, experts, local, offset, topk, pad, factor",
+    [
+        (37, 8, 4, 0, 2, None, 1.5),  # room to spare
+        (300, 16, 8, 8, 3, 16, 0.6),  # the last rank's experts, truncated
+        (513, 64, 64, 0, 8, 128, 1.0),  # every expert local, exactly full, padding 128
+        (100, 12, 3, 6, 1, None, 0.5),  # three experts of the middle rank, top-1
+        (64, 8, 8, 0, 8, 4, 1.2),  # every token to every expert
+    ],
+)
+@pytest.mark.parametrize("blocking", [False, True], ids=["all-slots", "received-slots"])
+def test_dispatch_layout_places_rows_as_the_loop_reference(
+    device, tokens, experts, local, offset, topk, pad, factor, blocking
+):
+    gen = torch.Generator().manual_seed(tokens + experts + topk + blocking)
+    chosen = torch.rand(tokens, experts, generator=gen).topk(topk, dim=1).indices
+    gathered = torch.zeros(tokens, experts, dtype=torch.bool).scatter_(1, chosen, True)
+    gathered[tokens // 3] = False  # a token with no expert anywhere
+    local_map = gathered[:, offset : offset + local]  # a column slice, as the buffer passes it
+    if blocking:  # slots of the tokens that have a local expert, in ascending order
+        received = local_map.any(dim=1)
+        slot_of_token, num_slots = torch.cumsum(received, dim=0) - 1, int(received.sum())
+    else:
+        slot_of_token, num_slots = torch.arange(tokens), tokens
+    total = sum(-(-int(c) // (pad or 1)) * (pad or 1) for c in local_map.sum(dim=0))
+    capacity = int(total * factor) // (pad or 1) * (pad or 1)
+    slots, row_experts, padded, total = _layout_reference(local_map, capacity, pad or 1, slot_of_token)
+
+    on_device = local_map.to(device) if device == "cpu" else gathered.to(device)[:, offset : offset + local]
+    layout = fused.dispatch_layout(
+        on_device,
+        fused.block_counts(on_device),
+        capacity,
+        pad,
+        num_slots,
+        slot_of_token.to(device) if blocking else None,
+    )
+    filled = len(slots)
+    expected_slot = [num_slots if s is None else s for s in slots] + [num_slots] * (capacity - filled)
+    expected_code = [num_slots * local if s is None else s * local + e for s, e in zip(slots, row_experts)]
+    expected_code += [num_slots * local] * (capacity - filled)
+    assert layout.row_slot.cpu().tolist() == expected_slot
+    assert layout.row_code.cpu().tolist() == expected_code
+    ends = torch.tensor(padded).cumsum(0)
+    assert (
+        layout.tokens_per_expert.cpu().tolist()
+        == (ends.clamp(max=capacity) - (ends - torch.tensor(padded)).clamp(max=capacity)).tolist()
+    )
+    assert int(layout.overflow) == int(total > capacity)
+    assert int(layout.real_rows) == min(total, capacity)
+    table = torch.full((num_slots, local), -1, dtype=torch.int32)
+    for row, (s, e) in enumerate(zip(slots, row_experts)):
+        if s is not None:
+            table[s, e] = row
+    assert torch.equal(layout.slot_rows.cpu(), table)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("slots, experts, width", [(13, 4, 24), (5, 1, 8), (9, 6, 1100), (0, 3, 8)])
 def test_sum_rows_per_slot_adds_in_table_order_in_float32(device, slots, experts, width):
     gen = torch.Generator().manual_seed(slots * 31 + experts + width)

@@ -70,7 +70,10 @@ class RoutingMapGather:
         """
         num_tokens, num_experts = routing_map.shape
         out = self._output(self.world_size * num_tokens, num_experts, routing_map.device)
-        dist.all_gather_into_tensor(out, routing_map.contiguous(), group=self.group)
+        if self.world_size == 1:
+            out.copy_(routing_map)  # one rank: a copy, without the collective's host overhead
+        else:
+            dist.all_gather_into_tensor(out, routing_map.contiguous(), group=self.group)
         self.stats.gathers += 1
         self.stats.last_data_ptr = out.data_ptr()
         return out

@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from megatron_ext import fused
 from megatron_ext.hybridep.allgather import RoutingMapGather
-from megatron_ext.hybridep.layout import expert_layout, padded_counts
+from megatron_ext.hybridep.layout import expert_layout, padded_counts, round_up
 
 SUPPORTED_HIDDEN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -100,42 +100,6 @@ def _with_zero_row(num_slots: int, width: int, dtype: torch.dtype, device: torch
 # CUDA's deterministic index_put_ (measured on the H200: 2.8 ms instead of ~0.05 ms per combine at
 # 8192 padding rows), so a combine spreads them over this many discarded slots instead.
 PADDING_SPREAD = 1024
-
-
-def _row_tables(
-    row_prob_index: torch.Tensor, tokens_per_expert: torch.Tensor, num_slots: int, num_local: int
-) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """`(real_rows, slot_rows)` of a handle: the device count of existing rows and, where the fused
-    kernels run, each slot's rows by local expert (the table a gather-based combine reads)."""
-    real_rows = tokens_per_expert.sum().reshape(1)
-    if not fused.enabled_for(row_prob_index):
-        return real_rows, None
-    # Rows that hold no token (padding, rows past the padded total) index slot num_slots: cut off.
-    table = torch.full(((num_slots + 1) * num_local,), -1, dtype=torch.int32, device=row_prob_index.device)
-    rows = torch.arange(row_prob_index.numel(), dtype=torch.int32, device=row_prob_index.device)
-    table.scatter_(0, row_prob_index, rows)
-    return real_rows, table.view(num_slots + 1, num_local)[:num_slots]
-
-
-def _token_rows(
-    num_tokens: int, world_size: int, routing_map: torch.Tensor, send_token=None, send_dest=None
-) -> Optional[torch.Tensor]:
-    """Where the fused combine finds each token's partial from each rank in what comes back: rank
-    w's partials of all T tokens in turn (non-blocking), or the sent rows, grouped by destination
-    rank (blocking: `send_token`, `send_dest`). None where the fused kernels do not run on the
-    routing map's device."""
-    if not fused.enabled_for(routing_map):
-        return None
-    device = routing_map.device
-    if send_token is None:
-        return (
-            torch.arange(world_size, device=device) * num_tokens + torch.arange(num_tokens, device=device)[:, None]
-        ).to(torch.int32)
-    table = torch.full((num_tokens * world_size,), -1, dtype=torch.int32, device=device)
-    table.scatter_(
-        0, send_token * world_size + send_dest, torch.arange(send_token.numel(), dtype=torch.int32, device=device)
-    )
-    return table.view(num_tokens, world_size)
 
 
 def _spread_padding(row_slot: torch.Tensor, num_slots: int) -> torch.Tensor:
@@ -207,6 +171,7 @@ class TorchHybridEPBuffer:
         self.routing_map_gather = RoutingMapGather(group, reuse=reuse_allgather_buffer or enable_custom_allgather)
         self.last_dispatch_traffic = Traffic()
         self.last_combine_traffic = Traffic()
+        self._returned_rows_cache: dict = {}
 
     # ------------------------------------------------------------------ dispatch
 
@@ -404,11 +369,12 @@ class TorchHybridEPBuffer:
         num_tokens = routing_map.shape[0]
         global_map = self.routing_map_gather(routing_map)
         local_map = global_map[:, self.rank * L : (self.rank + 1) * L]
+        if fused.enabled_for(routing_map):
+            return self._plan_fused(routing_map, local_map, capacity, pad_multiple, non_blocking)
 
         if non_blocking:
             # Receive slot g holds token g, so a row's code g * L + e indexes the probs directly.
             layout = expert_layout(local_map, capacity, pad_multiple)
-            real_rows, slot_rows = _row_tables(layout.row_code, layout.tokens_per_expert, W * num_tokens, L)
             return HybridEPHandle(
                 row_slot=layout.row_code.div(L, rounding_mode="floor"),
                 row_prob_index=layout.row_code,
@@ -423,9 +389,9 @@ class TorchHybridEPBuffer:
                 overflow_flag=layout.overflow,
                 tokens_per_expert=layout.tokens_per_expert,
                 pad_multiple=pad_multiple,
-                real_rows=real_rows,
-                slot_rows=slot_rows,
-                token_rows=_token_rows(num_tokens, W, routing_map),
+                real_rows=layout.tokens_per_expert.sum().reshape(1),
+                slot_rows=None,
+                token_rows=None,
             )
 
         # Blocking: the exact layout; one host read of the counts that size the all-to-all.
@@ -448,15 +414,12 @@ class TorchHybridEPBuffer:
         row_slot = slot_of_token[layout.row_code.div(L, rounding_mode="floor")]
         # Sent rows grouped by destination rank, ascending token index within each.
         pairs = torch.nonzero_static(dest_mask.t(), size=sum(send_splits))
-        send_dest, send_token = pairs[:, 0], pairs[:, 1]
-        row_prob_index = row_slot * L + layout.row_code.remainder(L)
-        real_rows, slot_rows = _row_tables(row_prob_index, layout.tokens_per_expert, num_slots, L)
         return HybridEPHandle(
             row_slot=row_slot,
-            row_prob_index=row_prob_index,
+            row_prob_index=row_slot * L + layout.row_code.remainder(L),
             num_slots=num_slots,
-            send_token=send_token,
-            send_dest=send_dest,
+            send_token=pairs[:, 1],
+            send_dest=pairs[:, 0],
             send_splits=send_splits,
             recv_splits=recv_splits,
             num_tokens=num_tokens,
@@ -465,13 +428,90 @@ class TorchHybridEPBuffer:
             overflow_flag=layout.overflow,
             tokens_per_expert=layout.tokens_per_expert,
             pad_multiple=pad_multiple,
-            real_rows=real_rows,
-            slot_rows=slot_rows,
-            token_rows=_token_rows(num_tokens, W, routing_map, send_token, send_dest),
+            real_rows=layout.tokens_per_expert.sum().reshape(1),
+            slot_rows=None,
+            token_rows=None,
         )
+
+    def _plan_fused(self, routing_map, local_map, capacity, pad_multiple, non_blocking) -> HybridEPHandle:
+        """`_plan` where the fused kernels run: the layout and both row tables in three launches."""
+        W, L = self.world_size, self.num_local_experts
+        num_tokens = routing_map.shape[0]
+        counts = fused.block_counts(local_map)
+        if non_blocking:
+            layout = fused.dispatch_layout(local_map, counts, capacity, pad_multiple, W * num_tokens)
+            return HybridEPHandle(
+                row_slot=layout.row_slot,
+                row_prob_index=layout.row_code,
+                num_slots=W * num_tokens,
+                send_token=None,
+                send_dest=None,
+                send_splits=None,
+                recv_splits=None,
+                num_tokens=num_tokens,
+                capacity=capacity,
+                non_blocking=True,
+                overflow_flag=layout.overflow,
+                tokens_per_expert=layout.tokens_per_expert,
+                pad_multiple=pad_multiple,
+                real_rows=layout.real_rows,
+                slot_rows=layout.slot_rows,
+                token_rows=self._returned_rows(num_tokens, routing_map.device),
+            )
+
+        # Blocking. Whatever the host read does not size is launched before it, so that once the
+        # counts arrive (the GPU idle by then) only the layout and the moves are left to launch.
+        received = local_map.any(dim=1)  # [W * T]: token g has at least one expert here
+        by_dest = routing_map.view(num_tokens, W, L).any(dim=2).t()  # [W, T]: token t goes to rank w
+        slot_of_token = torch.cumsum(received, dim=0) - 1  # received tokens sit in ascending g
+        sent = by_dest.reshape(-1)
+        # Combine's returned partials come back in send order: (rank, ascending token).
+        send_order = torch.cumsum(sent, dim=0, dtype=torch.int32) - 1
+        token_rows = torch.where(sent, send_order, -1).view(W, num_tokens).t().contiguous()
+        pairs = torch.nonzero_static(by_dest, size=W * num_tokens)  # (rank, token), the real ones first
+        padded_total = round_up(counts.totals(), pad_multiple).sum().reshape(1)
+        host = torch.cat([by_dest.sum(dim=1), received.view(W, num_tokens).sum(dim=1), padded_total]).tolist()
+        send_splits, recv_splits = tuple(host[:W]), tuple(host[W : 2 * W])
+        if capacity is None:  # as in `_plan`: a given capacity truncates and flags
+            capacity = host[2 * W]
+        num_slots, num_sent = sum(recv_splits), sum(send_splits)
+        layout = fused.dispatch_layout(local_map, counts, capacity, pad_multiple, num_slots, slot_of_token)
+        return HybridEPHandle(
+            row_slot=layout.row_slot,
+            row_prob_index=layout.row_code,
+            num_slots=num_slots,
+            send_token=pairs[:num_sent, 1],
+            send_dest=pairs[:num_sent, 0],
+            send_splits=send_splits,
+            recv_splits=recv_splits,
+            num_tokens=num_tokens,
+            capacity=capacity,
+            non_blocking=False,
+            overflow_flag=layout.overflow,
+            tokens_per_expert=layout.tokens_per_expert,
+            pad_multiple=pad_multiple,
+            real_rows=layout.real_rows,
+            slot_rows=layout.slot_rows,
+            token_rows=token_rows,
+        )
+
+    def _returned_rows(self, num_tokens: int, device: torch.device) -> torch.Tensor:
+        """`[T, W]` int32 `w * T + t`: where a non-blocking combine's partial of token t from rank w
+        comes back. The same for every dispatch of a token count: made once."""
+        key = (num_tokens, device)
+        table = self._returned_rows_cache.get(key)
+        if table is None:
+            W = self.world_size
+            table = (torch.arange(W, device=device) * num_tokens + torch.arange(num_tokens, device=device)[:, None]).to(
+                torch.int32
+            )
+            self._returned_rows_cache = {key: table}
+        return table
 
     def _move_rows(self, hidden, probs, handle: HybridEPHandle):
         """Bring the rows of `handle`'s layout to this rank and place them."""
+        if handle.slot_rows is not None:
+            return self._move_rows_fused(hidden, probs, handle)
         W, L, T = self.world_size, self.num_local_experts, handle.num_tokens
         width, elt = hidden.shape[1], hidden.element_size()
         if handle.non_blocking:
@@ -484,10 +524,7 @@ class TorchHybridEPBuffer:
                 received[: handle.num_slots], hidden[handle.send_token], handle.recv_splits, handle.send_splits
             )
             hidden_bytes = self._sent_elsewhere(handle.send_splits) * width * elt
-        if handle.slot_rows is not None:  # fused: the existing rows only; those past them unwritten
-            rows = fused.gather_rows(received, handle.row_slot, handle.real_rows)
-        else:
-            rows = received[handle.row_slot]
+        rows = received[handle.row_slot]
 
         row_probs, probs_bytes = None, 0
         if probs is not None:
@@ -501,6 +538,33 @@ class TorchHybridEPBuffer:
                 self._all_to_all(table[: handle.num_slots], sent, handle.recv_splits, handle.send_splits)
                 probs_bytes = self._sent_elsewhere(handle.send_splits) * L * 4
             row_probs = table.view(-1)[handle.row_prob_index]
+
+        return rows, row_probs, hidden_bytes, probs_bytes
+
+    def _move_rows_fused(self, hidden, probs, handle: HybridEPHandle):
+        """`_move_rows` with the fused gathers: padding rows (a slot past the received ones) read as
+        zeros, so nothing is copied to append a zero row, and one rank exchanges nothing."""
+        W, L, T = self.world_size, self.num_local_experts, handle.num_tokens
+        width, elt = hidden.shape[1], hidden.element_size()
+        if handle.non_blocking:
+            received = self._all_gather(hidden)
+            hidden_bytes = (W - 1) * T * width * elt
+        else:
+            received = self._exchange(hidden[handle.send_token], handle.recv_splits, handle.send_splits)
+            hidden_bytes = self._sent_elsewhere(handle.send_splits) * width * elt
+        rows = fused.gather_rows(received, handle.row_slot, handle.real_rows)
+
+        row_probs, probs_bytes = None, 0
+        if probs is not None:
+            per_rank = probs.view(T, W, L)
+            if handle.non_blocking:
+                table = self._exchange(per_rank.transpose(0, 1).reshape(W * T, L))
+                probs_bytes = (W - 1) * T * L * 4
+            else:
+                sent = per_rank[handle.send_token, handle.send_dest]
+                table = self._exchange(sent, handle.recv_splits, handle.send_splits)
+                probs_bytes = self._sent_elsewhere(handle.send_splits) * L * 4
+            row_probs = fused.gather_values(table, handle.row_prob_index)
 
         return rows, row_probs, hidden_bytes, probs_bytes
 
@@ -542,28 +606,34 @@ class TorchHybridEPBuffer:
         # 1. On the expert's rank: one float32 partial per received token, experts in order. The
         # fused kernel gathers each token's rows (only the rows that exist are read); the torch path
         # accumulates every row, padding rows into discarded slots.
+        # 2. Partials back to their source ranks; 3. summed there in rank order, in float32 (by a
+        # gather per token where the fused kernels run, else by accumulation).
         if handle.slot_rows is not None:
             partial = fused.sum_rows_per_slot(hidden, handle.slot_rows, hidden.dtype)
+            if handle.non_blocking:
+                back = self._exchange(partial)
+                hidden_bytes = (W - 1) * T * width * elt
+            else:
+                back = self._exchange(partial, handle.send_splits, handle.recv_splits)
+                hidden_bytes = self._sent_elsewhere(handle.recv_splits) * width * elt
+            if handle.non_blocking and W == 1:
+                tokens = back  # token t's one partial is row t: a float32 sum of one term is the term
+            else:
+                tokens = fused.sum_rows_per_slot(back, handle.token_rows, hidden.dtype)
         else:
             partial = torch.zeros(handle.num_slots + PADDING_SPREAD, width, dtype=torch.float32, device=hidden.device)
             _accumulate(partial, _spread_padding(handle.row_slot, handle.num_slots), hidden)
             partial = partial[: handle.num_slots].to(hidden.dtype)
-
-        # 2. Partials back to their source ranks; 3. summed there in rank order, in float32 (by a
-        # gather per token where the fused kernels run, else by accumulation).
-        if handle.non_blocking:
-            back = torch.empty(W * T, width, dtype=hidden.dtype, device=hidden.device)
-            self._all_to_all(back, partial)
-            back_token = None if handle.token_rows is not None else torch.arange(T, device=hidden.device).repeat(W)
-            hidden_bytes = (W - 1) * T * width * elt
-        else:
-            back = torch.empty(sum(handle.send_splits), width, dtype=hidden.dtype, device=hidden.device)
-            self._all_to_all(back, partial, handle.send_splits, handle.recv_splits)
-            back_token = handle.send_token
-            hidden_bytes = self._sent_elsewhere(handle.recv_splits) * width * elt
-        if handle.token_rows is not None:
-            tokens = fused.sum_rows_per_slot(back, handle.token_rows, hidden.dtype)
-        else:
+            if handle.non_blocking:
+                back = torch.empty(W * T, width, dtype=hidden.dtype, device=hidden.device)
+                self._all_to_all(back, partial)
+                back_token = torch.arange(T, device=hidden.device).repeat(W)
+                hidden_bytes = (W - 1) * T * width * elt
+            else:
+                back = torch.empty(sum(handle.send_splits), width, dtype=hidden.dtype, device=hidden.device)
+                self._all_to_all(back, partial, handle.send_splits, handle.recv_splits)
+                back_token = handle.send_token
+                hidden_bytes = self._sent_elsewhere(handle.recv_splits) * width * elt
             out = torch.zeros(T, width, dtype=torch.float32, device=hidden.device)
             tokens = _accumulate(out, back_token, back).to(hidden.dtype)
 
@@ -609,6 +679,26 @@ class TorchHybridEPBuffer:
             input_split_sizes=None if in_splits is None else list(in_splits),
             group=self.group,
         )
+
+    def _exchange(
+        self, inp: torch.Tensor, out_splits: Optional[Sequence[int]] = None, in_splits: Optional[Sequence[int]] = None
+    ) -> torch.Tensor:
+        """`inp` through an all-to-all (equal slabs without splits) into a new tensor; one rank
+        keeps what it has, without a copy (the caller only reads the result)."""
+        if self.world_size == 1:
+            return inp.contiguous()
+        rows = inp.shape[0] if out_splits is None else sum(out_splits)
+        out = torch.empty(rows, *inp.shape[1:], dtype=inp.dtype, device=inp.device)
+        self._all_to_all(out, inp, out_splits, in_splits)
+        return out
+
+    def _all_gather(self, inp: torch.Tensor) -> torch.Tensor:
+        """Every rank's `inp`, rank order, in a new tensor; one rank keeps its own without a copy."""
+        if self.world_size == 1:
+            return inp.contiguous()
+        out = torch.empty(self.world_size * inp.shape[0], *inp.shape[1:], dtype=inp.dtype, device=inp.device)
+        dist.all_gather_into_tensor(out, inp.contiguous(), group=self.group)
+        return out
 
     def _sent_elsewhere(self, splits: Sequence[int]) -> int:
         return sum(splits) - splits[self.rank]

@@ -11,6 +11,11 @@ and that too small a capacity raises the flag. It prints the bytes each mode sen
 ranks or more, the bandwidth of dispatch and of combine: the bytes a rank sends to the other ranks,
 each counted once, over the median time of the call (CUDA events with nccl, the host clock with
 gloo), next to a plain `all_to_all_single` of as many bytes and NVLink's 450 GB/s per direction.
+
+With nccl it also times each call on the GPU and on the host (the GPU idle before each call), for
+this buffer and, where it imports, for deep_ep's HybridEPBuffer on the same inputs, next to a
+plain device copy of the dispatched rows' bytes: on one GPU nothing crosses ranks, and the copy is
+the least the data path can cost.
 """
 
 from __future__ import annotations
@@ -103,6 +108,68 @@ def _bandwidth_lines(rank, world_size, iters, device, buf, dispatch, capacity) -
     return lines
 
 
+def _deep_ep_buffer(args, num_local: int) -> dict:
+    """{"deep_ep": a deep_ep HybridEPBuffer for these inputs} where deep_ep imports, else {}."""
+    from megatron_ext.options import deep_ep_import_error
+
+    if deep_ep_import_error() is not None:
+        return {}
+    from deep_ep import HybridEPBuffer
+
+    return {"deep_ep": HybridEPBuffer(dist.group.WORLD, args.hidden, args.tokens, num_local)}
+
+
+def _idle_host_ms(fn, iters: int) -> float:
+    """Median host time of `fn()` started with the GPU idle (no wait for room in the launch queue)."""
+    times = []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    torch.cuda.synchronize()
+    return sorted(times)[len(times) // 2]
+
+
+def _gpu_lines(rank, iters, device, buffers: dict, inputs) -> list[str]:
+    """Per buffer and mode: the dispatch call's host ms (GPU idle before it), its GPU ms and the
+    combine's GPU ms; then a device copy of the exact rows' bytes, the floor of the data path."""
+    x, routing, probs, pm, capacity = inputs
+    lines, exact_rows = [], None
+    for name, buf in buffers.items():
+        for mode, cap in (("blocking", None), ("non-blocking", capacity)):
+
+            def dispatch(buf=buf, cap=cap):
+                return buf.dispatch_with_permute(
+                    hidden=x,
+                    routing_map=routing,
+                    probs=probs,
+                    pad_multiple=pm,
+                    num_permuted_tokens=cap,
+                    non_blocking=cap is not None,
+                )
+
+            rows, _, _, _, handle = dispatch()
+            exact_rows = exact_rows or rows.shape[0]
+            host = _idle_host_ms(dispatch, iters)
+            dispatch_ms = _device_ms(dispatch, iters, device)
+            combine_ms = _device_ms(
+                lambda b=buf, r=rows, h=handle: b.combine_with_unpermute(hidden=r, handle=h), iters, device
+            )
+            lines.append(
+                f"rank {rank}: {name:7s} {mode:12s}: dispatch call {host:.3f} ms on the host, {dispatch_ms:.3f} ms on "
+                f"the GPU; combine {combine_ms:.3f} ms on the GPU"
+            )
+    src = torch.empty(exact_rows, x.shape[1], dtype=x.dtype, device=device)
+    dst = torch.empty_like(src)
+    copy_ms = _device_ms(lambda: dst.copy_(src), iters, device)
+    nbytes = src.numel() * src.element_size()
+    lines.append(
+        f"rank {rank}: a device copy of the {exact_rows} exact rows ({nbytes / 2**20:.0f} MiB): {copy_ms:.3f} ms"
+    )
+    return lines
+
+
 def _gbps(nbytes: int, ms: float) -> str:
     return f"{nbytes / ms / 1e6:.3g} GB/s" if ms > 0 else "-"
 
@@ -185,6 +252,9 @@ def _run(rank: int, world_size: int, args) -> tuple[list[str], list[str]]:
     host_blocking = _host_ms(dispatch, args.iters)
     host_nb = _host_ms(lambda: dispatch(capacity), args.iters)
     bandwidth = _bandwidth_lines(rank, world_size, args.iters, device, buf, dispatch, capacity)
+    if device.type == "cuda":
+        inputs = (x, routing, probs, pm, capacity)
+        bandwidth += _gpu_lines(rank, args.iters, device, {"torch": buf, **_deep_ep_buffer(args, num_local)}, inputs)
     lines = [
         f"rank {rank}: {exact} rows exact, capacity {capacity}; host ms per dispatch call: "
         f"blocking {host_blocking:.2f}, non-blocking {host_nb:.2f}",

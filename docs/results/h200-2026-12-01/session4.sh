@@ -4,6 +4,10 @@
 # ../shared/tools/deep_ep's wheel, DeepEP's tests in .whl/deepep_tests/). Results: s4-* beside this file.
 #   verify: every one-GPU test at HEAD (the deep_ep files last: they JIT-compile), the buffer's
 #           round trip and where one dispatch call's host time goes (host_ops.py).
+#   kernels: after the fused layout (fused.block_counts/dispatch_layout) and the one-rank paths:
+#           the GPU tests of the kernels, buffer and layers, the re-run checks alone (call 1 aborted
+#           in them), the round trip with its GPU lines (torch and deep_ep side by side), host_ops.py,
+#           the large bench's torch and deep_ep rows, and deep_ep against the buffer.
 #   bench:  the three sizes, every mode, --repeat 3, and the round trip.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 CUDA_HOME=/usr/local/cuda PATH=/usr/local/cuda/bin:$PATH
@@ -44,6 +48,19 @@ case ${1:-} in
       tests 330 tests/test_gpu_deep_ep.py tests/test_gpu_deep_ep_layer.py
     } > "$OUT/verify.log" 2>&1
     grep -hE "^=== |passed|failed|error|host ms|GPU ops" "$OUT/verify.log" | head -80 ;;
+  kernels)
+    {
+      echo "=== tests tests/test_gpu_recovery.py $(date -u +%H:%M:%S)"
+      timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider -rfs --tb=short -x tests/test_gpu_recovery.py > "$OUT/recovery.log" 2>&1
+      grep -E "passed|failed|rror|terminate|what\(\)|ssert|Fatal|megatron-ext" "$OUT/recovery.log" | head -40
+      tests 200 tests/test_fused.py tests/test_experts.py tests/test_gpu_buffer.py tests/test_gpu_moe_layer.py
+      roundtrip
+      echo "=== host_ops $(date -u +%H:%M:%S)"
+      timeout 60 python3 docs/results/h200-2026-12-01/host_ops.py 2>&1 | grep -v Warning
+      bench large 200 $LARGE --check-steps 1 --steps 5 --repeat 3 --modes blocking,capacity+equal,deep_ep,deep_ep+capacity+equal+reuse
+      tests 150 tests/test_gpu_deep_ep.py
+    } > "$OUT/kernels.log" 2>&1
+    grep -hE "^=== |passed|failed|rror|terminate|what\(\)|Fatal|host ms|GPU ops|on the GPU|device copy|^(megatron|blocking|capacity|deep_ep|mode )|OK|FAIL" "$OUT/kernels.log" | head -90 ;;
   bench)
     {
       roundtrip
@@ -52,5 +69,5 @@ case ${1:-} in
       bench small 150 $SMALL --steps 20 --repeat 3 --modes $ALL
     } > "$OUT/bench.log" 2>&1
     grep -hE "^=== |host ms|^(megatron|blocking|capacity|deep_ep|mode )|OK|FAIL" "$OUT/bench.log" ;;
-  *) echo "usage: $0 verify|bench" >&2; exit 2 ;;
+  *) echo "usage: $0 verify|kernels|bench" >&2; exit 2 ;;
 esac
