@@ -228,7 +228,6 @@ if triton is not None:
         map_ptr,
         stride,
         block_counts_ptr,
-        block_ends_ptr,
         slot_of_token_ptr,
         row_slot_ptr,
         row_code_ptr,
@@ -244,23 +243,34 @@ if triton is not None:
         L: tl.constexpr,
         L_P2: tl.constexpr,
         BLOCK_N: tl.constexpr,
+        BLOCK_B: tl.constexpr,
         BLOCK_S: tl.constexpr,
         HAS_SLOTS: tl.constexpr,
     ):
         b = tl.program_id(0)
         experts = tl.arange(0, L_P2)
         is_expert = experts < L
-        # Every program derives the segments from the totals (the last row of the block scan).
-        counts = tl.load(block_ends_ptr + (num_blocks - 1) * L + experts, mask=is_expert, other=0).to(tl.int64)
+        # Every program sums the block counts: over all blocks (the experts' totals, hence the
+        # segments) and over the blocks before its own (its tokens' offsets in their segments).
+        counts = tl.zeros((L_P2,), dtype=tl.int64)
+        earlier = tl.zeros((L_P2,), dtype=tl.int64)
+        start = 0
+        while start < num_blocks:
+            blocks = start + tl.arange(0, BLOCK_B)
+            part = tl.load(
+                block_counts_ptr + blocks[:, None] * L + experts[None, :],
+                mask=(blocks < num_blocks)[:, None] & is_expert[None, :],
+                other=0,
+            ).to(tl.int64)
+            counts += tl.sum(part, axis=0)
+            earlier += tl.sum(tl.where((blocks < b)[:, None], part, 0), axis=0)
+            start += BLOCK_B
         padded = (counts + pad - 1) // pad * pad
         ends = tl.cumsum(padded, axis=0)
         starts = ends - padded
         total = tl.sum(padded, axis=0)
         # Rows of this block's routed pairs: segment start + tokens of the expert in earlier blocks
         # + rank within the block (ascending token index).
-        earlier = tl.load(block_ends_ptr + b * L + experts, mask=is_expert, other=0) - tl.load(
-            block_counts_ptr + b * L + experts, mask=is_expert, other=0
-        )
         tokens = b * BLOCK_N + tl.arange(0, BLOCK_N)
         is_token = tokens < N
         in_map = is_token[:, None] & is_expert[None, :]
@@ -447,16 +457,14 @@ class Layout(NamedTuple):
 
 
 class BlockCounts(NamedTuple):
-    """Per block of tokens, how many each local expert received (`counts`) and the running total
-    over blocks (`ends`, inclusive); `ends[-1]` holds the experts' totals. Both `[blocks, L]` int32."""
+    """Per block of `block` tokens, how many each local expert received: `[blocks, L]` int32."""
 
     counts: torch.Tensor
-    ends: torch.Tensor
     block: int
 
     def totals(self) -> torch.Tensor:
         """`[L]` int64: tokens routed to each local expert."""
-        return self.ends[-1].long()
+        return self.counts.sum(dim=0, dtype=torch.int64)
 
 
 def _map_bytes(local_map: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -470,7 +478,7 @@ def _token_block(num_local: int) -> int:
 
 
 def block_counts(local_map: torch.Tensor) -> BlockCounts:
-    """Count the routed tokens of each local expert per block of tokens (two launches).
+    """Count the routed tokens of each local expert per block of tokens (one launch).
 
     Args:
         local_map: `[N, L]` bool, rows of any stride, columns contiguous (a column slice of the
@@ -484,7 +492,7 @@ def block_counts(local_map: torch.Tensor) -> BlockCounts:
     _block_counts_kernel[(blocks,)](
         data, counts, num_tokens, stride, L=num_local, L_P2=triton.next_power_of_2(num_local), BLOCK_N=block
     )
-    return BlockCounts(counts, counts.cumsum(0, dtype=torch.int32), block)
+    return BlockCounts(counts, block)
 
 
 def dispatch_layout(
@@ -496,7 +504,7 @@ def dispatch_layout(
     slot_of_token: Optional[torch.Tensor] = None,
 ) -> Layout:
     """The permuted layout of `hybridep.layout.expert_layout`, with the row tables a fused
-    dispatch and combine read, in one launch after `block_counts`.
+    dispatch and combine read, in one launch after `block_counts` (two in all).
 
     Args:
         local_map: the map `counts` came from. capacity: output rows (host int).
@@ -517,7 +525,6 @@ def dispatch_layout(
         data,
         stride,
         counts.counts,
-        counts.ends,
         slot_of_token if slot_of_token is not None else row_slot,  # not read without slots
         row_slot,
         row_code,
@@ -533,6 +540,7 @@ def dispatch_layout(
         L=num_local,
         L_P2=triton.next_power_of_2(num_local),
         BLOCK_N=counts.block,
+        BLOCK_B=max(1, 4096 // triton.next_power_of_2(num_local)),
         BLOCK_S=1024,
         HAS_SLOTS=slot_of_token is not None,
     )

@@ -140,6 +140,7 @@ def _layout_reference(local_map, capacity, pad, slot_of_token):
         (513, 64, 64, 0, 8, 128, 1.0),  # every expert local, exactly full, padding 128
         (100, 12, 3, 6, 1, None, 0.5),  # three experts of the middle rank, top-1
         (64, 8, 8, 0, 8, 4, 1.2),  # every token to every expert
+        (4500, 64, 64, 0, 2, 16, 1.0),  # more token blocks than the kernel sums at once
     ],
 )
 @pytest.mark.parametrize("blocking", [False, True], ids=["all-slots", "received-slots"])

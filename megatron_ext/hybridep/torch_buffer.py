@@ -81,7 +81,10 @@ class Traffic:
 
 
 def _check(condition: bool, argument: str, requirement: str, got: object) -> None:
+    """Raise naming `argument` unless `condition`; a tensor `got` is described only then."""
     if not condition:
+        if isinstance(got, torch.Tensor):
+            got = _describe(got)
         raise ValueError(f"HybridEP: `{argument}` must be {requirement}; got {got}.")
 
 
@@ -219,7 +222,7 @@ class TorchHybridEPBuffer:
         """
         self._check_hidden(hidden, "hidden")
         _check(not use_fp8, "use_fp8", "False (no fp8 dispatch in the PyTorch HybridEP buffer)", use_fp8)
-        _check(scaling_factor is None, "scaling_factor", "None (no fp8 dispatch)", _describe(scaling_factor))
+        _check(scaling_factor is None, "scaling_factor", "None (no fp8 dispatch)", scaling_factor)
         map_bytes = 0
         if handle is None:
             routing_map, probs = self._resolve_routing(
@@ -234,7 +237,7 @@ class TorchHybridEPBuffer:
                 hidden.shape[0] == handle.num_tokens,
                 "hidden",
                 f"[{handle.num_tokens}, H] to match the handle",
-                _describe(hidden),
+                hidden,
             )
             if isinstance(num_permuted_tokens, int):
                 _check(
@@ -265,7 +268,7 @@ class TorchHybridEPBuffer:
                 topk_idx.dim() == 2 and topk_idx.shape[0] == num_tokens and not topk_idx.is_floating_point(),
                 "topk_idx",
                 f"an integer tensor of shape [{num_tokens}, K]",
-                _describe(topk_idx),
+                topk_idx,
             )
             routing_map = torch.zeros(num_tokens, num_of_experts, dtype=torch.bool, device=hidden.device)
             routing_map.scatter_(1, topk_idx.long(), True)
@@ -274,7 +277,7 @@ class TorchHybridEPBuffer:
                     topk_weights.shape == topk_idx.shape,
                     "topk_weights",
                     f"of shape {tuple(topk_idx.shape)}",
-                    _describe(topk_weights),
+                    topk_weights,
                 )
                 probs = torch.zeros(num_tokens, num_of_experts, dtype=torch.float32, device=hidden.device)
                 probs.scatter_(1, topk_idx.long(), topk_weights.float())
@@ -283,20 +286,20 @@ class TorchHybridEPBuffer:
             routing_map.dtype == torch.bool and routing_map.dim() == 2,
             "routing_map",
             "a 2-D bool tensor [T, E]",
-            _describe(routing_map),
+            routing_map,
         )
         _check(
             routing_map.shape[0] == num_tokens,
             "routing_map",
             f"[{num_tokens}, E] (one row per token of `hidden`)",
-            _describe(routing_map),
+            routing_map,
         )
         _check(
             routing_map.shape[1] == num_experts,
             "routing_map",
             f"[T, {num_experts}]: experts = num_local_experts ({self.num_local_experts}) x ranks "
             f"({self.world_size}); the number of experts must be divisible by the number of ranks",
-            _describe(routing_map),
+            routing_map,
         )
         if num_of_experts is not None:
             _check(
@@ -314,7 +317,7 @@ class TorchHybridEPBuffer:
             isinstance(hidden, torch.Tensor) and hidden.dim() == 2,
             argument,
             "a 2-D tensor [T, H]",
-            _describe(hidden) if isinstance(hidden, torch.Tensor) else type(hidden).__name__,
+            hidden if isinstance(hidden, torch.Tensor) else type(hidden).__name__,
         )
         _check(hidden.dtype in SUPPORTED_HIDDEN_DTYPES, argument, "bfloat16, float16 or float32", hidden.dtype)
 
@@ -323,7 +326,7 @@ class TorchHybridEPBuffer:
             probs.dtype == torch.float32 and tuple(probs.shape) == (num_tokens, num_experts),
             "probs",
             f"a float32 tensor of shape [{num_tokens}, {num_experts}]",
-            _describe(probs),
+            probs,
         )
 
     @staticmethod
@@ -434,7 +437,7 @@ class TorchHybridEPBuffer:
         )
 
     def _plan_fused(self, routing_map, local_map, capacity, pad_multiple, non_blocking) -> HybridEPHandle:
-        """`_plan` where the fused kernels run: the layout and both row tables in three launches."""
+        """`_plan` where the fused kernels run: the layout and both row tables in two launches."""
         W, L = self.world_size, self.num_local_experts
         num_tokens = routing_map.shape[0]
         counts = fused.block_counts(local_map)
@@ -593,7 +596,7 @@ class TorchHybridEPBuffer:
         self._check_handle(handle, "handle")
         self._check_hidden(hidden, "hidden")
         capacity, T, W, L = handle.capacity, handle.num_tokens, self.world_size, self.num_local_experts
-        _check(hidden.shape[0] == capacity, "hidden", f"[{capacity}, H] (the dispatch's rows)", _describe(hidden))
+        _check(hidden.shape[0] == capacity, "hidden", f"[{capacity}, H] (the dispatch's rows)", hidden)
         if pad_multiple is not None:
             _check(
                 pad_multiple == handle.pad_multiple,
@@ -643,7 +646,7 @@ class TorchHybridEPBuffer:
                 probs.dtype == torch.float32 and tuple(probs.shape) == (capacity,),
                 "probs",
                 f"a float32 tensor of shape [{capacity}]",
-                _describe(probs),
+                probs,
             )
             table = torch.zeros(handle.num_slots + 1, L, dtype=torch.float32, device=probs.device)
             table.view(-1).index_put_((handle.row_prob_index,), probs)

@@ -8,6 +8,9 @@
 #           the GPU tests of the kernels, buffer and layers, the re-run checks alone (call 1 aborted
 #           in them), the round trip with its GPU lines (torch and deep_ep side by side), host_ops.py,
 #           the large bench's torch and deep_ep rows, and deep_ep against the buffer.
+#   last:   after the block scan moved into the layout kernel and the buffer's lazy argument
+#           messages: the re-run checks on the torch implementation, the round trip, the kernels'
+#           and buffer's GPU tests, deep_ep against the buffer, and the small size's rows.
 #   bench:  the three sizes, every mode, --repeat 3, and the round trip.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 CUDA_HOME=/usr/local/cuda PATH=/usr/local/cuda/bin:$PATH
@@ -61,6 +64,16 @@ case ${1:-} in
       tests 150 tests/test_gpu_deep_ep.py
     } > "$OUT/kernels.log" 2>&1
     grep -hE "^=== |passed|failed|rror|terminate|what\(\)|Fatal|host ms|GPU ops|on the GPU|device copy|^(megatron|blocking|capacity|deep_ep|mode )|OK|FAIL" "$OUT/kernels.log" | head -90 ;;
+  last)
+    FIVE=megatron,blocking,capacity+equal,deep_ep,deep_ep+capacity+equal+reuse
+    {
+      tests 60 tests/test_gpu_recovery.py
+      roundtrip
+      tests 90 tests/test_fused.py tests/test_gpu_buffer.py
+      tests 200 tests/test_gpu_deep_ep.py
+      bench small 120 $SMALL --steps 20 --repeat 3 --modes $FIVE
+    } > "$OUT/last.log" 2>&1
+    grep -hE "^=== |passed|failed|rror|host ms|on the GPU|device copy|^(megatron|blocking|capacity|deep_ep|mode )|OK|FAIL" "$OUT/last.log" | head -60 ;;
   bench)
     {
       roundtrip
@@ -69,5 +82,5 @@ case ${1:-} in
       bench small 150 $SMALL --steps 20 --repeat 3 --modes $ALL
     } > "$OUT/bench.log" 2>&1
     grep -hE "^=== |host ms|^(megatron|blocking|capacity|deep_ep|mode )|OK|FAIL" "$OUT/bench.log" ;;
-  *) echo "usage: $0 verify|kernels|bench" >&2; exit 2 ;;
+  *) echo "usage: $0 verify|kernels|last|bench" >&2; exit 2 ;;
 esac
