@@ -11,7 +11,10 @@
 #   last:   after the block scan moved into the layout kernel and the buffer's lazy argument
 #           messages: the re-run checks on the torch implementation, the round trip, the kernels'
 #           and buffer's GPU tests, deep_ep against the buffer, and the small size's rows.
-#   bench:  the three sizes, every mode, --repeat 3, and the round trip.
+#   bench:  the three sizes, every mode, --repeat 3, and the round trip (not run: no device time left).
+# What ran: call 1 `verify` at 69b183b (s4-call1-verify.log), call 2 `kernels` at d8f76be (s4-call2-*),
+# call 3 `last` at 51ffb48 (s4-call3-last.log; its small bench ran out of its limit while deep_ep
+# compiled), call 4 (warm, by hand) the small bench with a longer limit: s4-call4-small.{log,json}.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 CUDA_HOME=/usr/local/cuda PATH=/usr/local/cuda/bin:$PATH
 export HYBRID_EP_CACHE_DIR=/tmp/hybrid_ep_jit
