@@ -24,7 +24,7 @@ def _forward_backward(*, model, data_iterator, num_microbatches, forward_only=Fa
     layer = model[0]
     losses = []
     for _ in range(num_microbatches):
-        x = next(data_iterator)
+        x = next(data_iterator).detach().requires_grad_(True)  # as in a model: recompute needs it
         out = layer(x)[0]
         loss = (out * torch.linspace(-1.0, 1.0, out.numel(), device=out.device).view_as(out)).sum()
         if not forward_only:
@@ -57,11 +57,11 @@ def _assert_same_step(expected, actual):
         assert torch.equal(grads_a[name], grads_b[name]), name
 
 
-def overflow_reruns_the_step_blocking_and_grows_the_capacity(rank, world):
+def overflow_reruns_the_step_blocking_and_grows_the_capacity(rank, world, replays=0, **options):
     from megatron_ext.capacity import capacity_from_rows
     from megatron_ext.recovery import OverflowRerun
 
-    layer, blocking, manager = _layers(world)
+    layer, blocking, manager = _layers(world, **options)
     runner = OverflowRerun(_forward_backward)
     inputs = step_inputs(rank, 1 + 2 * MICROBATCHES, 32, HIDDEN, seed=5)
     calibration, step, later = inputs[:1], inputs[1 : 1 + MICROBATCHES], inputs[1 + MICROBATCHES :]
@@ -73,8 +73,8 @@ def overflow_reruns_the_step_blocking_and_grows_the_capacity(rank, world):
     rerun = _step(layer, step, runner)
     _assert_same_step(_step(blocking, step), rerun)  # the kept step is the blocking one: no truncated rows
     assert runner.reruns == 1
-    # the re-run's dispatches were blocking, one per micro-batch
-    assert manager.stats.blocking_dispatches - blocking_dispatches == MICROBATCHES
+    # the re-run's dispatches were blocking, one per micro-batch (and per recompute replay)
+    assert manager.stats.blocking_dispatches - blocking_dispatches == MICROBATCHES * (1 + replays)
     local = torch.tensor([manager.blocking_rows_max], device="cuda" if on_gpu() else "cpu")
     torch.distributed.all_reduce(local, op=torch.distributed.ReduceOp.MAX)
     assert manager.capacity == capacity_from_rows(int(local), 1.5, None) > 4
@@ -83,7 +83,16 @@ def overflow_reruns_the_step_blocking_and_grows_the_capacity(rank, world):
     non_blocking = manager.stats.non_blocking_dispatches
     _assert_same_step(_step(blocking, later), _step(layer, later, runner))
     assert runner.reruns == 1, "a step within the grown capacity was re-run"
-    assert manager.stats.non_blocking_dispatches - non_blocking == MICROBATCHES  # capacity mode again
+    assert manager.stats.non_blocking_dispatches - non_blocking == MICROBATCHES * (1 + replays)  # capacity mode again
+
+
+def recompute_replays_across_the_rerun_and_the_growth(rank, world):
+    """With Megatron's MoE recompute, the backward replays each forward: the overflowed forward is
+    discarded with its replays, the re-run's forwards are replayed blocking as they ran, and the
+    next step's forwards and replays use the grown capacity. Every kept step equals blocking's."""
+    overflow_reruns_the_step_blocking_and_grows_the_capacity(
+        rank, world, replays=1, recompute_granularity="selective", recompute_modules=["moe"]
+    )
 
 
 def no_overflow_no_rerun(rank, world):
@@ -224,6 +233,7 @@ def routing_shift_mid_training_is_survived_bitwise(rank, world):
 CHECKS = (
     routing_shift_mid_training_is_survived_bitwise,
     overflow_reruns_the_step_blocking_and_grows_the_capacity,
+    recompute_replays_across_the_rerun_and_the_growth,
     no_overflow_no_rerun,
     thin_headroom_grows_the_capacity_before_an_overflow,
     capacity_use_goes_to_megatrons_moe_metrics,
