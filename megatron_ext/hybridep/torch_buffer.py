@@ -67,6 +67,41 @@ class HybridEPHandle(NamedTuple):
     ]  # fused kernels only: [T, W] int32, combine's returned row of (token, rank) or -1
 
 
+def _handle(
+    layout_rows: tuple[torch.Tensor, torch.Tensor],
+    counts: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    *,
+    num_slots: int,
+    num_tokens: int,
+    capacity: int,
+    pad_multiple: Optional[int],
+    tables: tuple[Optional[torch.Tensor], Optional[torch.Tensor]] = (None, None),
+    send: Optional[tuple[torch.Tensor, torch.Tensor, tuple[int, ...], tuple[int, ...]]] = None,
+) -> HybridEPHandle:
+    """A handle from its parts: `layout_rows` (row_slot, row_prob_index), `counts` (overflow flag,
+    tokens_per_expert, real_rows), the fused kernels' `tables` (slot_rows, token_rows), and, for a
+    blocking dispatch, `send` (send_token, send_dest, send_splits, recv_splits)."""
+    send_token, send_dest, send_splits, recv_splits = send if send is not None else (None, None, None, None)
+    return HybridEPHandle(
+        row_slot=layout_rows[0],
+        row_prob_index=layout_rows[1],
+        num_slots=num_slots,
+        send_token=send_token,
+        send_dest=send_dest,
+        send_splits=send_splits,
+        recv_splits=recv_splits,
+        num_tokens=num_tokens,
+        capacity=capacity,
+        non_blocking=send is None,
+        overflow_flag=counts[0],
+        tokens_per_expert=counts[1],
+        pad_multiple=pad_multiple,
+        real_rows=counts[2],
+        slot_rows=tables[0],
+        token_rows=tables[1],
+    )
+
+
 @dataclass(frozen=True)
 class Traffic:
     """Bytes this rank put on the wire to other ranks in one call (self-copies excluded)."""
@@ -378,23 +413,13 @@ class TorchHybridEPBuffer:
         if non_blocking:
             # Receive slot g holds token g, so a row's code g * L + e indexes the probs directly.
             layout = expert_layout(local_map, capacity, pad_multiple)
-            return HybridEPHandle(
-                row_slot=layout.row_code.div(L, rounding_mode="floor"),
-                row_prob_index=layout.row_code,
+            return _handle(
+                (layout.row_code.div(L, rounding_mode="floor"), layout.row_code),
+                (layout.overflow, layout.tokens_per_expert, layout.tokens_per_expert.sum().reshape(1)),
                 num_slots=W * num_tokens,
-                send_token=None,
-                send_dest=None,
-                send_splits=None,
-                recv_splits=None,
                 num_tokens=num_tokens,
                 capacity=capacity,
-                non_blocking=True,
-                overflow_flag=layout.overflow,
-                tokens_per_expert=layout.tokens_per_expert,
                 pad_multiple=pad_multiple,
-                real_rows=layout.tokens_per_expert.sum().reshape(1),
-                slot_rows=None,
-                token_rows=None,
             )
 
         # Blocking: the exact layout; one host read of the counts that size the all-to-all.
@@ -417,23 +442,14 @@ class TorchHybridEPBuffer:
         row_slot = slot_of_token[layout.row_code.div(L, rounding_mode="floor")]
         # Sent rows grouped by destination rank, ascending token index within each.
         pairs = torch.nonzero_static(dest_mask.t(), size=sum(send_splits))
-        return HybridEPHandle(
-            row_slot=row_slot,
-            row_prob_index=row_slot * L + layout.row_code.remainder(L),
+        return _handle(
+            (row_slot, row_slot * L + layout.row_code.remainder(L)),
+            (layout.overflow, layout.tokens_per_expert, layout.tokens_per_expert.sum().reshape(1)),
             num_slots=num_slots,
-            send_token=pairs[:, 1],
-            send_dest=pairs[:, 0],
-            send_splits=send_splits,
-            recv_splits=recv_splits,
             num_tokens=num_tokens,
             capacity=capacity,
-            non_blocking=False,
-            overflow_flag=layout.overflow,
-            tokens_per_expert=layout.tokens_per_expert,
             pad_multiple=pad_multiple,
-            real_rows=layout.tokens_per_expert.sum().reshape(1),
-            slot_rows=None,
-            token_rows=None,
+            send=(pairs[:, 1], pairs[:, 0], send_splits, recv_splits),
         )
 
     def _plan_fused(self, routing_map, local_map, capacity, pad_multiple, non_blocking) -> HybridEPHandle:
@@ -443,23 +459,14 @@ class TorchHybridEPBuffer:
         counts = fused.block_counts(local_map)
         if non_blocking:
             layout = fused.dispatch_layout(local_map, counts, capacity, pad_multiple, W * num_tokens)
-            return HybridEPHandle(
-                row_slot=layout.row_slot,
-                row_prob_index=layout.row_code,
+            return _handle(
+                (layout.row_slot, layout.row_code),
+                (layout.overflow, layout.tokens_per_expert, layout.real_rows),
                 num_slots=W * num_tokens,
-                send_token=None,
-                send_dest=None,
-                send_splits=None,
-                recv_splits=None,
                 num_tokens=num_tokens,
                 capacity=capacity,
-                non_blocking=True,
-                overflow_flag=layout.overflow,
-                tokens_per_expert=layout.tokens_per_expert,
                 pad_multiple=pad_multiple,
-                real_rows=layout.real_rows,
-                slot_rows=layout.slot_rows,
-                token_rows=self._returned_rows(num_tokens, routing_map.device),
+                tables=(layout.slot_rows, self._returned_rows(num_tokens, routing_map.device)),
             )
 
         # Blocking. Whatever the host read does not size is launched before it, so that once the
@@ -479,23 +486,15 @@ class TorchHybridEPBuffer:
             capacity = host[2 * W]
         num_slots, num_sent = sum(recv_splits), sum(send_splits)
         layout = fused.dispatch_layout(local_map, counts, capacity, pad_multiple, num_slots, slot_of_token)
-        return HybridEPHandle(
-            row_slot=layout.row_slot,
-            row_prob_index=layout.row_code,
+        return _handle(
+            (layout.row_slot, layout.row_code),
+            (layout.overflow, layout.tokens_per_expert, layout.real_rows),
             num_slots=num_slots,
-            send_token=pairs[:num_sent, 1],
-            send_dest=pairs[:num_sent, 0],
-            send_splits=send_splits,
-            recv_splits=recv_splits,
             num_tokens=num_tokens,
             capacity=capacity,
-            non_blocking=False,
-            overflow_flag=layout.overflow,
-            tokens_per_expert=layout.tokens_per_expert,
             pad_multiple=pad_multiple,
-            real_rows=layout.real_rows,
-            slot_rows=layout.slot_rows,
-            token_rows=token_rows,
+            tables=(layout.slot_rows, token_rows),
+            send=(pairs[:num_sent, 1], pairs[:num_sent, 0], send_splits, recv_splits),
         )
 
     def _returned_rows(self, num_tokens: int, device: torch.device) -> torch.Tensor:

@@ -21,6 +21,7 @@ the least the data path can cost.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import tempfile
@@ -108,6 +109,22 @@ def _bandwidth_lines(rank, world_size, iters, device, buf, dispatch, capacity) -
     return lines
 
 
+def _dispatcher(buf, x, routing, probs, pad_multiple):
+    """`dispatch(capacity=None)`: `buf`'s dispatch of these inputs, blocking without a capacity."""
+
+    def dispatch(capacity=None):
+        return buf.dispatch_with_permute(
+            hidden=x,
+            routing_map=routing,
+            probs=probs,
+            pad_multiple=pad_multiple,
+            num_permuted_tokens=capacity,
+            non_blocking=capacity is not None,
+        )
+
+    return dispatch
+
+
 def _deep_ep_buffer(args, num_local: int) -> dict:
     """{"deep_ep": a deep_ep HybridEPBuffer for these inputs} where deep_ep imports, else {}."""
     from megatron_ext.options import deep_ep_import_error
@@ -138,17 +155,7 @@ def _gpu_lines(rank, iters, device, buffers: dict, inputs) -> list[str]:
     lines, exact_rows = [], None
     for name, buf in buffers.items():
         for mode, cap in (("blocking", None), ("non-blocking", capacity)):
-
-            def dispatch(buf=buf, cap=cap):
-                return buf.dispatch_with_permute(
-                    hidden=x,
-                    routing_map=routing,
-                    probs=probs,
-                    pad_multiple=pm,
-                    num_permuted_tokens=cap,
-                    non_blocking=cap is not None,
-                )
-
+            dispatch = functools.partial(_dispatcher(buf, x, routing, probs, pm), cap)
             rows, _, _, _, handle = dispatch()
             exact_rows = exact_rows or rows.shape[0]
             host = _idle_host_ms(dispatch, iters)
@@ -208,16 +215,7 @@ def _run(rank: int, world_size: int, args) -> tuple[list[str], list[str]]:
     buf = TorchHybridEPBuffer(dist.group.WORLD, args.hidden, args.tokens, num_local, reuse_allgather_buffer=True)
     pm = args.pad_multiple
 
-    def dispatch(capacity=None):
-        return buf.dispatch_with_permute(
-            hidden=x,
-            routing_map=routing,
-            probs=probs,
-            pad_multiple=pm,
-            num_permuted_tokens=capacity,
-            non_blocking=capacity is not None,
-        )
-
+    dispatch = _dispatcher(buf, x, routing, probs, pm)
     rows, row_probs, _, counts, handle = dispatch()
     blocking_traffic = buf.last_dispatch_traffic
     combined, _ = buf.combine_with_unpermute(hidden=rows, handle=handle)
