@@ -10,7 +10,10 @@ op-fuser experts do too: whoever reads a capacity-sized tensor must stop at n.
 The kernels:
 * `activation_probs` / `activation_probs_backward`: the expert activation (SwiGLU, GeGLU, SiLU or
   GELU) weighted by the float32 router probs, in one pass each way, in float32 registers.
-* `gather_rows`: `out[r] = src[index[r]]` for r < n (the permute of a dispatch).
+* `gather_rows`: `out[r] = src[index[r]]` for r < n, a zero row for an index past `src` (the
+  permute of a dispatch); `gather_values`: the same for single values (the dispatched probs).
+* `block_counts` and `dispatch_layout`: a dispatch's whole layout (see `hybridep/layout.py`) and
+  the row tables the gathers read, in two launches, with no host read.
 * `sum_rows_per_slot`: for every slot (a received token), the float32 sum of its rows, in the
   order of the row table (expert order); a gather per slot, deterministic, with no atomics and no
   sort (the unpermute of a combine).

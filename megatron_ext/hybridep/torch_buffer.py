@@ -19,10 +19,11 @@ How tokens move (W ranks, T tokens per rank, rank r owns experts [r * L, (r + 1)
 * Combine reduces each token's rows on the expert's rank first (float32, in expert order),
   sends one partial per (token, rank) back, and sums the partials in rank order (float32).
   Both modes add the same numbers in the same order, so their results are bitwise equal.
-* On a GPU the permute and the first combine step are Triton kernels (`megatron_ext.fused`) that
-  read the count of existing rows on the device and touch only those: the permute gathers them,
-  the combine gathers each token's rows by a [slots, L] table. Rows past the padded total (a
-  capacity's spare rows) are then left unwritten, as deep_ep leaves them; on CPU they are zero.
+* On a GPU the layout, the permute and the combine are Triton kernels (`megatron_ext.fused`): the
+  layout and the tables combine reads come from two launches; the permute gathers the existing
+  rows (their count read on the device), a padding row reading as zeros; the combine gathers each
+  token's rows by a [slots, L] table. Rows past the padded total (a capacity's spare rows) are
+  left unwritten, as deep_ep leaves them; on CPU they are zero. One rank exchanges nothing.
 """
 
 from __future__ import annotations
