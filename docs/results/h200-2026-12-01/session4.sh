@@ -12,6 +12,10 @@
 #           messages: the re-run checks on the torch implementation, the round trip, the kernels'
 #           and buffer's GPU tests, deep_ep against the buffer, and the small size's rows.
 #   bench:  the three sizes, every mode, --repeat 3, and the round trip (not run: no device time left).
+#   two-gpu: for the nvidia-h200-x2 kind (not lent this session, not run): the tests across GPU
+#           ranks, the round trip at two ranks (GB/s against all_to_all_single, deep_ep beside
+#           it), torch's symmetric-memory all-to-all probe (copy ../shared/probes/symm_a2a.py to
+#           .whl/ first), and the large bench at EP 2.
 # What ran: call 1 `verify` at 69b183b (s4-call1-verify.log), call 2 `kernels` at d8f76be (s4-call2-*),
 # call 3 `last` at 51ffb48 (s4-call3-last.log; its small bench ran out of its limit while deep_ep
 # compiled), call 4 (warm, by hand) the small bench with a longer limit: s4-call4-small.{log,json}.
@@ -77,6 +81,17 @@ case ${1:-} in
       bench small 120 $SMALL --steps 20 --repeat 3 --modes $FIVE
     } > "$OUT/last.log" 2>&1
     grep -hE "^=== |passed|failed|rror|host ms|on the GPU|device copy|^(megatron|blocking|capacity|deep_ep|mode )|OK|FAIL" "$OUT/last.log" | head -60 ;;
+  two-gpu)
+    {
+      tests 200 tests/test_gpu_ranks.py
+      echo "=== roundtrip, 2 ranks $(date -u +%H:%M:%S)"
+      timeout 120 torchrun --standalone --nproc-per-node 2 -m megatron_ext.tooling.roundtrip --backend nccl --iters 20 \
+        --tokens 8192 --hidden 4096 --experts 64 --topk 8 2>&1 | grep -v Warning | tail -20
+      echo "=== symm_a2a probe $(date -u +%H:%M:%S)"
+      [ -f .whl/symm_a2a.py ] && timeout 90 torchrun --standalone --nproc-per-node 2 .whl/symm_a2a.py 2>&1 | tail -12
+      bench ep2-large 300 $LARGE --check-steps 1 --steps 5 --repeat 3 --modes $ALL
+    } > "$OUT/two-gpu.log" 2>&1
+    grep -hE "^=== |passed|failed|GB/s|on the GPU|^(megatron|blocking|capacity|deep_ep|mode )|OK|FAIL" "$OUT/two-gpu.log" ;;
   bench)
     {
       roundtrip
@@ -85,5 +100,5 @@ case ${1:-} in
       bench small 150 $SMALL --steps 20 --repeat 3 --modes $ALL
     } > "$OUT/bench.log" 2>&1
     grep -hE "^=== |host ms|^(megatron|blocking|capacity|deep_ep|mode )|OK|FAIL" "$OUT/bench.log" ;;
-  *) echo "usage: $0 verify|kernels|last|bench" >&2; exit 2 ;;
+  *) echo "usage: $0 verify|kernels|last|bench|two-gpu" >&2; exit 2 ;;
 esac
