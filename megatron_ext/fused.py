@@ -459,17 +459,6 @@ class Layout(NamedTuple):
     real_rows: torch.Tensor
 
 
-class BlockCounts(NamedTuple):
-    """Per block of `block` tokens, how many each local expert received: `[blocks, L]` int32."""
-
-    counts: torch.Tensor
-    block: int
-
-    def totals(self) -> torch.Tensor:
-        """`[L]` int64: tokens routed to each local expert."""
-        return self.counts.sum(dim=0, dtype=torch.int64)
-
-
 def _map_bytes(local_map: torch.Tensor) -> tuple[torch.Tensor, int]:
     if local_map.dim() != 2 or local_map.dtype is not torch.bool or local_map.stride(1) != 1:
         raise ValueError(f"fused: the routing map must be a [N, L] bool tensor of unit column stride; got {local_map}")
@@ -480,8 +469,9 @@ def _token_block(num_local: int) -> int:
     return max(16, min(256, 4096 // triton.next_power_of_2(num_local)))
 
 
-def block_counts(local_map: torch.Tensor) -> BlockCounts:
-    """Count the routed tokens of each local expert per block of tokens (one launch).
+def block_counts(local_map: torch.Tensor) -> torch.Tensor:
+    """`[blocks, L]` int32: the routed tokens of each local expert per block of `_token_block(L)`
+    tokens (one launch); `.sum(dim=0)` gives each expert's total.
 
     Args:
         local_map: `[N, L]` bool, rows of any stride, columns contiguous (a column slice of the
@@ -495,12 +485,12 @@ def block_counts(local_map: torch.Tensor) -> BlockCounts:
     _block_counts_kernel[(blocks,)](
         data, counts, num_tokens, stride, L=num_local, L_P2=triton.next_power_of_2(num_local), BLOCK_N=block
     )
-    return BlockCounts(counts, block)
+    return counts
 
 
 def dispatch_layout(
     local_map: torch.Tensor,
-    counts: BlockCounts,
+    counts: torch.Tensor,
     capacity: int,
     pad_multiple: Optional[int],
     num_slots: int,
@@ -523,11 +513,11 @@ def dispatch_layout(
     tokens_per_expert = torch.empty(num_local, dtype=torch.int64, device=device)
     overflow = torch.empty(1, dtype=torch.int32, device=device)
     real_rows = torch.empty(1, dtype=torch.int64, device=device)
-    blocks = counts.counts.shape[0]
+    blocks = counts.shape[0]
     _layout_kernel[(blocks,)](
         data,
         stride,
-        counts.counts,
+        counts,
         slot_of_token if slot_of_token is not None else row_slot,  # not read without slots
         row_slot,
         row_code,
@@ -542,7 +532,7 @@ def dispatch_layout(
         blocks,
         L=num_local,
         L_P2=triton.next_power_of_2(num_local),
-        BLOCK_N=counts.block,
+        BLOCK_N=_token_block(num_local),
         BLOCK_B=max(1, 4096 // triton.next_power_of_2(num_local)),
         BLOCK_S=1024,
         HAS_SLOTS=slot_of_token is not None,

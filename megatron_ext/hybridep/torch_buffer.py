@@ -128,11 +128,10 @@ def _describe(t: Optional[torch.Tensor]) -> str:
     return "None" if t is None else f"{t.dtype} tensor of shape {tuple(t.shape)}"
 
 
-def _with_zero_row(num_slots: int, width: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """`[num_slots + 1, width]` uninitialised but for a last row of zeros (read by padding rows)."""
-    out = torch.empty(num_slots + 1, width, dtype=dtype, device=device)
-    out[num_slots].zero_()
-    return out
+def _gather_or_zero(src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """`src[index]`, an index of `len(src)` (a padding row's slot) reading zeros: the torch path's
+    gather (the fused one reads no zero row)."""
+    return torch.cat([src, src.new_zeros(1, *src.shape[1:])])[index]
 
 
 # Padding rows all point at one zero slot. Accumulating thousands of rows into one slot serialises
@@ -480,7 +479,7 @@ class TorchHybridEPBuffer:
         send_order = torch.cumsum(sent, dim=0, dtype=torch.int32) - 1
         token_rows = torch.where(sent, send_order, -1).view(W, num_tokens).t().contiguous()
         pairs = torch.nonzero_static(by_dest, size=W * num_tokens)  # (rank, token), the real ones first
-        padded_total = round_up(counts.totals(), pad_multiple).sum().reshape(1)
+        padded_total = round_up(counts.sum(dim=0, dtype=torch.int64), pad_multiple).sum().reshape(1)
         host = torch.cat([by_dest.sum(dim=1), received.view(W, num_tokens).sum(dim=1), padded_total]).tolist()
         send_splits, recv_splits = tuple(host[:W]), tuple(host[W : 2 * W])
         if capacity is None:  # as in `_plan`: a given capacity truncates and flags
@@ -512,50 +511,21 @@ class TorchHybridEPBuffer:
         return table
 
     def _move_rows(self, hidden, probs, handle: HybridEPHandle):
-        """Bring the rows of `handle`'s layout to this rank and place them."""
-        if handle.slot_rows is not None:
-            return self._move_rows_fused(hidden, probs, handle)
+        """Bring the rows of `handle`'s layout to this rank and place them; a padding row (a slot
+        past the received ones) reads as zeros."""
         W, L, T = self.world_size, self.num_local_experts, handle.num_tokens
         width, elt = hidden.shape[1], hidden.element_size()
-        if handle.non_blocking:
-            received = _with_zero_row(W * T, width, hidden.dtype, hidden.device)
-            dist.all_gather_into_tensor(received[: W * T], hidden.contiguous(), group=self.group)
-            hidden_bytes = (W - 1) * T * width * elt
-        else:
-            received = _with_zero_row(handle.num_slots, width, hidden.dtype, hidden.device)
-            self._all_to_all(
-                received[: handle.num_slots], hidden[handle.send_token], handle.recv_splits, handle.send_splits
-            )
-            hidden_bytes = self._sent_elsewhere(handle.send_splits) * width * elt
-        rows = received[handle.row_slot]
-
-        row_probs, probs_bytes = None, 0
-        if probs is not None:
-            per_rank = probs.view(T, W, L)
-            table = _with_zero_row(handle.num_slots, L, torch.float32, probs.device)
-            if handle.non_blocking:
-                self._all_to_all(table[: W * T], per_rank.transpose(0, 1).reshape(W * T, L))
-                probs_bytes = (W - 1) * T * L * 4
-            else:
-                sent = per_rank[handle.send_token, handle.send_dest]
-                self._all_to_all(table[: handle.num_slots], sent, handle.recv_splits, handle.send_splits)
-                probs_bytes = self._sent_elsewhere(handle.send_splits) * L * 4
-            row_probs = table.view(-1)[handle.row_prob_index]
-
-        return rows, row_probs, hidden_bytes, probs_bytes
-
-    def _move_rows_fused(self, hidden, probs, handle: HybridEPHandle):
-        """`_move_rows` with the fused gathers: padding rows (a slot past the received ones) read as
-        zeros, so nothing is copied to append a zero row, and one rank exchanges nothing."""
-        W, L, T = self.world_size, self.num_local_experts, handle.num_tokens
-        width, elt = hidden.shape[1], hidden.element_size()
+        fused_kernels = handle.slot_rows is not None
         if handle.non_blocking:
             received = self._all_gather(hidden)
             hidden_bytes = (W - 1) * T * width * elt
         else:
             received = self._exchange(hidden[handle.send_token], handle.recv_splits, handle.send_splits)
             hidden_bytes = self._sent_elsewhere(handle.send_splits) * width * elt
-        rows = fused.gather_rows(received, handle.row_slot, handle.real_rows)
+        if fused_kernels:  # the existing rows only; those past them unwritten
+            rows = fused.gather_rows(received, handle.row_slot, handle.real_rows)
+        else:
+            rows = _gather_or_zero(received, handle.row_slot)
 
         row_probs, probs_bytes = None, 0
         if probs is not None:
@@ -567,7 +537,8 @@ class TorchHybridEPBuffer:
                 sent = per_rank[handle.send_token, handle.send_dest]
                 table = self._exchange(sent, handle.recv_splits, handle.send_splits)
                 probs_bytes = self._sent_elsewhere(handle.send_splits) * L * 4
-            row_probs = fused.gather_values(table, handle.row_prob_index)
+            gather = fused.gather_values if fused_kernels else _gather_or_zero
+            row_probs = gather(table.reshape(-1), handle.row_prob_index)
 
         return rows, row_probs, hidden_bytes, probs_bytes
 
@@ -611,32 +582,25 @@ class TorchHybridEPBuffer:
         # accumulates every row, padding rows into discarded slots.
         # 2. Partials back to their source ranks; 3. summed there in rank order, in float32 (by a
         # gather per token where the fused kernels run, else by accumulation).
-        if handle.slot_rows is not None:
+        fused_kernels = handle.slot_rows is not None
+        if fused_kernels:
             partial = fused.sum_rows_per_slot(hidden, handle.slot_rows, hidden.dtype)
-            if handle.non_blocking:
-                back = self._exchange(partial)
-                hidden_bytes = (W - 1) * T * width * elt
-            else:
-                back = self._exchange(partial, handle.send_splits, handle.recv_splits)
-                hidden_bytes = self._sent_elsewhere(handle.recv_splits) * width * elt
-            if handle.non_blocking and W == 1:
-                tokens = back  # token t's one partial is row t: a float32 sum of one term is the term
-            else:
-                tokens = fused.sum_rows_per_slot(back, handle.token_rows, hidden.dtype)
         else:
             partial = torch.zeros(handle.num_slots + PADDING_SPREAD, width, dtype=torch.float32, device=hidden.device)
             _accumulate(partial, _spread_padding(handle.row_slot, handle.num_slots), hidden)
             partial = partial[: handle.num_slots].to(hidden.dtype)
-            if handle.non_blocking:
-                back = torch.empty(W * T, width, dtype=hidden.dtype, device=hidden.device)
-                self._all_to_all(back, partial)
-                back_token = torch.arange(T, device=hidden.device).repeat(W)
-                hidden_bytes = (W - 1) * T * width * elt
-            else:
-                back = torch.empty(sum(handle.send_splits), width, dtype=hidden.dtype, device=hidden.device)
-                self._all_to_all(back, partial, handle.send_splits, handle.recv_splits)
-                back_token = handle.send_token
-                hidden_bytes = self._sent_elsewhere(handle.recv_splits) * width * elt
+        if handle.non_blocking:
+            back = self._exchange(partial)
+            hidden_bytes = (W - 1) * T * width * elt
+        else:
+            back = self._exchange(partial, handle.send_splits, handle.recv_splits)
+            hidden_bytes = self._sent_elsewhere(handle.recv_splits) * width * elt
+        if handle.non_blocking and W == 1:
+            tokens = back  # token t's one partial is row t: a float32 sum of one term is the term
+        elif fused_kernels:
+            tokens = fused.sum_rows_per_slot(back, handle.token_rows, hidden.dtype)
+        else:
+            back_token = torch.arange(T, device=hidden.device).repeat(W) if handle.non_blocking else handle.send_token
             out = torch.zeros(T, width, dtype=torch.float32, device=hidden.device)
             tokens = _accumulate(out, back_token, back).to(hidden.dtype)
 
@@ -652,13 +616,11 @@ class TorchHybridEPBuffer:
             table.view(-1).index_put_((handle.row_prob_index,), probs)
             table = table[: handle.num_slots]
             if handle.non_blocking:
-                back_probs = torch.empty(W * T, L, dtype=torch.float32, device=probs.device)
-                self._all_to_all(back_probs, table)
+                back_probs = self._exchange(table)
                 token_probs = back_probs.view(W, T, L).transpose(0, 1).reshape(T, W * L)
                 probs_bytes = (W - 1) * T * L * 4
             else:
-                back_probs = torch.empty(sum(handle.send_splits), L, dtype=torch.float32, device=probs.device)
-                self._all_to_all(back_probs, table, handle.send_splits, handle.recv_splits)
+                back_probs = self._exchange(table, handle.send_splits, handle.recv_splits)
                 token_probs = torch.zeros(T, W, L, dtype=torch.float32, device=probs.device)
                 token_probs[handle.send_token, handle.send_dest] = back_probs
                 token_probs = token_probs.view(T, W * L)
@@ -667,21 +629,6 @@ class TorchHybridEPBuffer:
         return tokens, token_probs
 
     # ------------------------------------------------------------------ helpers
-
-    def _all_to_all(
-        self,
-        out: torch.Tensor,
-        inp: torch.Tensor,
-        out_splits: Optional[Sequence[int]] = None,
-        in_splits: Optional[Sequence[int]] = None,
-    ) -> None:
-        dist.all_to_all_single(
-            out,
-            inp.contiguous(),
-            output_split_sizes=None if out_splits is None else list(out_splits),
-            input_split_sizes=None if in_splits is None else list(in_splits),
-            group=self.group,
-        )
 
     def _exchange(
         self, inp: torch.Tensor, out_splits: Optional[Sequence[int]] = None, in_splits: Optional[Sequence[int]] = None
@@ -692,7 +639,13 @@ class TorchHybridEPBuffer:
             return inp.contiguous()
         rows = inp.shape[0] if out_splits is None else sum(out_splits)
         out = torch.empty(rows, *inp.shape[1:], dtype=inp.dtype, device=inp.device)
-        self._all_to_all(out, inp, out_splits, in_splits)
+        dist.all_to_all_single(
+            out,
+            inp.contiguous(),
+            output_split_sizes=None if out_splits is None else list(out_splits),
+            input_split_sizes=None if in_splits is None else list(in_splits),
+            group=self.group,
+        )
         return out
 
     def _all_gather(self, inp: torch.Tensor) -> torch.Tensor:

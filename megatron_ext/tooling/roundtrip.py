@@ -57,12 +57,18 @@ def _parse(argv=None):
     return args
 
 
-def _host_ms(fn, iters: int) -> float:
+def _host_ms(fn, iters: int, idle_gpu: bool = False) -> float:
+    """Median host time of `fn()`, back to back, or each started with the GPU idle (`idle_gpu`: no
+    wait for room in CUDA's launch queue)."""
     times = []
     for _ in range(iters):
+        if idle_gpu:
+            torch.cuda.synchronize()
         start = time.perf_counter()
         fn()
         times.append((time.perf_counter() - start) * 1e3)
+    if idle_gpu:
+        torch.cuda.synchronize()
     return sorted(times)[len(times) // 2]
 
 
@@ -136,18 +142,6 @@ def _deep_ep_buffer(args, num_local: int) -> dict:
     return {"deep_ep": HybridEPBuffer(dist.group.WORLD, args.hidden, args.tokens, num_local)}
 
 
-def _idle_host_ms(fn, iters: int) -> float:
-    """Median host time of `fn()` started with the GPU idle (no wait for room in the launch queue)."""
-    times = []
-    for _ in range(iters):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    torch.cuda.synchronize()
-    return sorted(times)[len(times) // 2]
-
-
 def _gpu_lines(rank, iters, device, buffers: dict, inputs) -> list[str]:
     """Per buffer and mode: the dispatch call's host ms (GPU idle before it), its GPU ms and the
     combine's GPU ms; then a device copy of the exact rows' bytes, the floor of the data path."""
@@ -158,7 +152,7 @@ def _gpu_lines(rank, iters, device, buffers: dict, inputs) -> list[str]:
             dispatch = functools.partial(_dispatcher(buf, x, routing, probs, pm), cap)
             rows, _, _, _, handle = dispatch()
             exact_rows = exact_rows or rows.shape[0]
-            host = _idle_host_ms(dispatch, iters)
+            host = _host_ms(dispatch, iters, idle_gpu=True)
             dispatch_ms = _device_ms(dispatch, iters, device)
             combine_ms = _device_ms(
                 lambda b=buf, r=rows, h=handle: b.combine_with_unpermute(hidden=r, handle=h), iters, device
