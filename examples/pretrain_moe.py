@@ -284,7 +284,7 @@ def describe(args, config) -> list[tuple[str, object]]:
     """What a run with these arguments would build, as (name, value) pairs."""
     options = HybridEPOptions.from_config(config)
     moe_submodules = layer_spec(args, config).submodules.mlp.keywords["submodules"]
-    implementation = resolve_implementation(options.implementation)
+    implementation = resolve_implementation(options.implementation, config.hidden_size)
     deep_ep_missing = deep_ep_import_error()
     rows = [
         ("world size", args.world_size),

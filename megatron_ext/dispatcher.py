@@ -385,7 +385,7 @@ class HybridEPTokenDispatcher(MoEFlexTokenDispatcher):
         pg_collection: Optional[Any] = None,
     ):
         options = HybridEPOptions.from_config(config)
-        implementation = resolve_implementation(options.implementation)
+        implementation = resolve_implementation(options.implementation, config.hidden_size)
         self.uses_megatron_ext = config.moe_flex_dispatcher_backend == "hybridep" and (
             options.changes_dispatch or implementation == "torch"
         )

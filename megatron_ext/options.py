@@ -8,6 +8,7 @@ construction, and in the dispatcher. Every message names the flag and the fix.
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 from dataclasses import dataclass, fields
 from typing import Any, Final, Literal, Optional, get_args
@@ -21,6 +22,8 @@ AUTO: Final = "auto"
 BUFFER_IMPLEMENTATIONS: tuple[str, ...] = tuple(name for name in IMPLEMENTATIONS if name != AUTO)
 OverflowPolicy = Literal["rerun", "fail"]
 OVERFLOW_POLICIES: tuple[str, ...] = get_args(OverflowPolicy)
+
+logger = logging.getLogger(__name__)
 
 
 class HybridEPConfigError(ValueError):
@@ -108,11 +111,50 @@ def deep_ep_import_error() -> Optional[str]:
     return None
 
 
-def resolve_implementation(requested: str) -> str:
-    """'deep_ep' or 'torch': 'auto' picks deep_ep where its HybridEPBuffer imports."""
-    if requested == AUTO:
-        return "deep_ep" if deep_ep_import_error() is None else "torch"
-    return requested
+# deep_ep 1.2.1's HybridEPBuffer allocates, fp8 or not, a scaling-factor buffer of hidden // 128
+# floats per token; at a hidden size below 128 that is zero bytes, and its constructor aborts the
+# process (SIGABRT, no Python error; seen on an H200, 2026-12-01). Its config raises on a hidden
+# size that is not a multiple of 16.
+DEEP_EP_MIN_HIDDEN = 128
+DEEP_EP_HIDDEN_MULTIPLE = 16
+
+
+def deep_ep_shape_error(hidden_size: Optional[int]) -> Optional[str]:
+    """None when deep_ep's HybridEPBuffer takes this hidden size (or it is not known), else why not."""
+    if hidden_size is None:
+        return None
+    if hidden_size < DEEP_EP_MIN_HIDDEN:
+        return (
+            f"hidden size {hidden_size} is below {DEEP_EP_MIN_HIDDEN}, where deep_ep's HybridEPBuffer "
+            "constructor aborts the process"
+        )
+    if hidden_size % DEEP_EP_HIDDEN_MULTIPLE:
+        return (
+            f"hidden size {hidden_size} is not a multiple of {DEEP_EP_HIDDEN_MULTIPLE}, as deep_ep's "
+            "HybridEPBuffer needs"
+        )
+    return None
+
+
+_AUTO_FALLBACKS_LOGGED: set[str] = set()
+
+
+def resolve_implementation(requested: str, hidden_size: Optional[int] = None) -> str:
+    """'deep_ep' or 'torch': 'auto' picks deep_ep where its HybridEPBuffer imports and takes
+    `hidden_size`; where it imports but cannot take the size, 'torch', logged once per reason."""
+    if requested != AUTO:
+        return requested
+    if deep_ep_import_error() is not None:
+        return "torch"
+    reason = deep_ep_shape_error(hidden_size)
+    if reason is None:
+        return "deep_ep"
+    if reason not in _AUTO_FALLBACKS_LOGGED:
+        _AUTO_FALLBACKS_LOGGED.add(reason)
+        logger.warning(
+            "megatron-ext: %s auto uses the torch implementation: %s.", flag(CONFIG_PREFIX + "implementation"), reason
+        )
+    return "torch"
 
 
 def validate(config: Any) -> HybridEPOptions:
@@ -183,6 +225,12 @@ def validate(config: Any) -> HybridEPOptions:
             f"{flag('moe_hybridep_equal_token_counts')}; set that flag too, or drop this one."
         )
     if options.implementation == "deep_ep":
+        shape = deep_ep_shape_error(getattr(config, "hidden_size", None))
+        if shape is not None:
+            raise HybridEPConfigError(
+                f"{flag('moe_hybridep_implementation')} deep_ep: {shape}. Use "
+                f"{flag('moe_hybridep_implementation')} torch (or auto, which picks torch for this size)."
+            )
         reason = deep_ep_import_error()
         if reason is not None:
             raise HybridEPConfigError(

@@ -4,6 +4,7 @@ Megatron is imported once for the module (it is slow to import). Each test that 
 reverts it, so other test modules in the same process see stock Megatron.
 """
 
+import logging
 import re
 import sys
 
@@ -308,11 +309,46 @@ def test_patched_parse_args_refuses_invalid_combinations(patched, monkeypatch, c
 def test_patched_parse_args_refuses_deep_ep_when_it_does_not_import(patched, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "deep_ep", None)  # `import deep_ep` now raises ImportError
 
-    err = parse_error(patched, monkeypatch, capsys, "--moe-hybridep-implementation", "deep_ep")
+    err = parse_error(patched, monkeypatch, capsys, "--moe-hybridep-implementation", "deep_ep", "--hidden-size", "256")
 
     assert "--moe-hybridep-implementation deep_ep" in err
     assert "deep_ep's HybridEPBuffer does not import" in err
     assert "--moe-hybridep-implementation torch" in err
+
+
+@pytest.mark.parametrize(
+    "hidden, reason",
+    [
+        ("64", "hidden size 64 is below 128, where deep_ep's HybridEPBuffer constructor aborts"),
+        ("200", "not a multiple of 16"),
+    ],
+)
+def test_patched_parse_args_refuses_deep_ep_at_a_hidden_size_it_cannot_take(
+    patched, monkeypatch, capsys, hidden, reason
+):
+    # Refused whether or not deep_ep imports here: the size is what is wrong.
+    err = parse_error(patched, monkeypatch, capsys, "--moe-hybridep-implementation", "deep_ep", "--hidden-size", hidden)
+
+    assert "--moe-hybridep-implementation deep_ep" in err
+    assert reason in err
+    assert "--moe-hybridep-implementation torch" in err
+
+
+def test_auto_picks_torch_at_a_hidden_size_deep_ep_cannot_take(monkeypatch, caplog):
+    from megatron_ext import options
+
+    monkeypatch.setattr(options, "deep_ep_import_error", lambda: None)  # as where deep_ep imports
+    monkeypatch.setattr(options, "_AUTO_FALLBACKS_LOGGED", set())
+    assert options.resolve_implementation("auto", 4096) == "deep_ep"
+    assert options.resolve_implementation("auto", None) == "deep_ep"
+    with caplog.at_level(logging.WARNING, logger="megatron_ext.options"):
+        assert options.resolve_implementation("auto", 64) == "torch"
+        assert options.resolve_implementation("auto", 64) == "torch"
+    fallbacks = [r.getMessage() for r in caplog.records if "auto uses the torch implementation" in r.getMessage()]
+    assert len(fallbacks) == 1 and "hidden size 64 is below 128" in fallbacks[0], fallbacks
+    assert options.resolve_implementation("deep_ep", 64) == "deep_ep"  # explicit: validate() refuses it
+    monkeypatch.setattr(options, "deep_ep_import_error", lambda: "ImportError: no deep_ep")
+    assert options.resolve_implementation("auto", 4096) == "torch"
 
 
 def test_patched_parse_args_refuses_unknown_implementation(patched, monkeypatch, capsys):
@@ -421,6 +457,7 @@ def test_install_validation_is_idempotent():
             "--moe-hybridep-pad-uneven-dispatch-inputs",
         ),
         (dict(HYBRIDEP, moe_hybridep_implementation="foo"), "'foo' is not one of auto, deep_ep, torch"),
+        (dict(HYBRIDEP, moe_hybridep_implementation="deep_ep"), "deep_ep: hidden size 16 is below 128"),
         (
             dict(HYBRIDEP, moe_hybridep_capacity_factor=1.5, moe_hybridep_overflow_policy="skip"),
             "--moe-hybridep-overflow-policy 'skip' is not one of rerun, fail",
@@ -432,6 +469,7 @@ def test_install_validation_is_idempotent():
         "verify-without-equal",
         "equal-and-pad-uneven",
         "foo",
+        "deep_ep-hidden-16",
         "unknown-policy",
     ],
 )

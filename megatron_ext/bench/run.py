@@ -409,18 +409,20 @@ def run_modes(
 
     `progress()` is called after every step, `starting(name)` before each mode.
     """
-    from megatron_ext.options import deep_ep_import_error
+    from megatron_ext.options import deep_ep_import_error, deep_ep_shape_error
 
     rank, world_size = dist.get_rank(), dist.get_world_size()
     runner = _Runner(sizes, rank, world_size, device, progress)
     deep_ep_error, te_error = deep_ep_import_error(), te_import_error()
+    deep_ep_error = deep_ep_error and f"deep_ep does not import: {deep_ep_error}"
+    deep_ep_error = deep_ep_error or deep_ep_shape_error(sizes.hidden)
     results: dict[str, ModeResult] = {}
     for _ in range(sizes.repeat):
         for mode in sorted(modes, key=lambda m: m.name != BLOCKING):  # the reference first
             starting(mode.name)
             why = None
             if mode.needs_deep_ep and deep_ep_error is not None:
-                why = f"deep_ep does not import: {deep_ep_error}"
+                why = deep_ep_error
             elif mode.needs_te and te_error is not None:
                 why = te_error
             if why is not None:
