@@ -400,20 +400,26 @@ def activation_probs_backward(
     return grad_h, grad_probs
 
 
-def gather_rows(src: torch.Tensor, index: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+def gather_rows(
+    src: torch.Tensor, index: torch.Tensor, n: torch.Tensor, out: Optional[torch.Tensor] = None
+) -> torch.Tensor:
     """`out[r] = src[index[r]]` for r < n, a zero row where `index[r] >= S`.
 
     Args:
         src: `[S, H]`. index: `[C]` integer, values >= 0 for r < n (S or more: a padding row).
         n: one-element device tensor.
+        out: where to write (`[C or more, H]`, contiguous, src's dtype), or None for a new tensor.
 
     Returns:
-        `[C, H]` in src's dtype; rows >= n unwritten.
+        `out` (`[C, H]` when new) in src's dtype; rows >= n unwritten.
     """
     _check_count(n, src.device)
     src, index = src.contiguous(), index.contiguous()
     S, H = src.shape
-    out = torch.empty(index.shape[0], H, dtype=src.dtype, device=src.device)
+    if out is None:
+        out = torch.empty(index.shape[0], H, dtype=src.dtype, device=src.device)
+    elif not (out.is_contiguous() and out.dtype == src.dtype and out.shape[0] >= index.shape[0] and out.shape[1] == H):
+        raise ValueError(f"fused: `out` must be a contiguous [>= {index.shape[0]}, {H}] {src.dtype} tensor")
     block_h = _pow2(H, 1024)
     block_r = max(1, 4096 // block_h)
     programs = _grid(src, triton.cdiv(index.shape[0], block_r))
@@ -495,6 +501,8 @@ def dispatch_layout(
     pad_multiple: Optional[int],
     num_slots: int,
     slot_of_token: Optional[torch.Tensor] = None,
+    *,
+    spare_slots: bool = False,
 ) -> Layout:
     """The permuted layout of `hybridep.layout.expert_layout`, with the row tables a fused
     dispatch and combine read, in one launch after `block_counts` (two in all).
@@ -503,13 +511,18 @@ def dispatch_layout(
         local_map: the map `counts` came from. capacity: output rows (host int).
         num_slots: receive slots; slot of token g: g (`slot_of_token` None), or `slot_of_token[g]`
             for the tokens that have a local expert (the others get no slot).
+        spare_slots: True when `num_slots` is a bound that the tokens' slots may not fill: the slot
+            table's rows of slots no token takes are then -1 too (one more launch).
     """
     data, stride = _map_bytes(local_map)
     num_tokens, num_local = local_map.shape
     device = local_map.device
     row_slot = torch.empty(capacity, dtype=torch.int64, device=device)
     row_code = torch.empty(capacity, dtype=torch.int64, device=device)
-    slot_rows = torch.empty(num_slots, num_local, dtype=torch.int32, device=device)
+    if spare_slots:
+        slot_rows = torch.full((num_slots, num_local), -1, dtype=torch.int32, device=device)
+    else:
+        slot_rows = torch.empty(num_slots, num_local, dtype=torch.int32, device=device)
     tokens_per_expert = torch.empty(num_local, dtype=torch.int64, device=device)
     overflow = torch.empty(1, dtype=torch.int32, device=device)
     real_rows = torch.empty(1, dtype=torch.int64, device=device)
@@ -540,21 +553,27 @@ def dispatch_layout(
     return Layout(row_slot, row_code, slot_rows, tokens_per_expert, overflow, real_rows)
 
 
-def sum_rows_per_slot(rows: torch.Tensor, table: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def sum_rows_per_slot(
+    rows: torch.Tensor, table: torch.Tensor, dtype: torch.dtype, out: Optional[torch.Tensor] = None
+) -> torch.Tensor:
     """`out[s] = sum_e rows[table[s, e]]` over the entries >= 0, added in e order in float32.
 
     Args:
         rows: `[C, H]`; only the rows the table names are read.
         table: `[S, L]` int32, row of slot s's e-th part or -1.
         dtype: the output dtype.
+        out: where to write (`[S or more, H]`, contiguous, `dtype`), or None for a new tensor.
 
     Returns:
-        `[S, H]` in `dtype` (a slot with no rows gets zeros).
+        `out` (`[S, H]` when new) in `dtype` (a slot with no rows gets zeros).
     """
     rows, table = rows.contiguous(), table.contiguous()
     slots, L = table.shape
     H = rows.shape[1]
-    out = torch.empty(slots, H, dtype=dtype, device=rows.device)
+    if out is None:
+        out = torch.empty(slots, H, dtype=dtype, device=rows.device)
+    elif not (out.is_contiguous() and out.dtype == dtype and out.shape[0] >= slots and out.shape[1] == H):
+        raise ValueError(f"fused: `out` must be a contiguous [>= {slots}, {H}] {dtype} tensor")
     if slots == 0:
         return out
     block_h = _pow2(H, 1024)

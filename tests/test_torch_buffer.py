@@ -41,8 +41,9 @@ def _round_down(x, m):
     return x if m is None else x // m * m
 
 
-def _forward_backward(buf, x, m, p, rank, weights, num_local, capacity, pad_multiple):
-    """dispatch -> per-row weighting by the dispatched probs -> combine -> loss -> backward."""
+def _forward_backward(buf, x, m, p, rank, weights, num_local, capacity, pad_multiple, traffic=True):
+    """dispatch -> per-row weighting by the dispatched probs -> combine -> loss -> backward
+    (`traffic`: read the dispatch's bytes, a host read after an exact non-blocking dispatch)."""
     from megatron_ext.hybridep import combine, dispatch, overflow_flag
 
     x = x.clone().requires_grad_()
@@ -50,7 +51,7 @@ def _forward_backward(buf, x, m, p, rank, weights, num_local, capacity, pad_mult
     rows, row_probs, counts, handle = dispatch(
         buf, x, m, p, num_local_experts=num_local, num_permuted_tokens=capacity, pad_multiple=pad_multiple
     )
-    traffic = getattr(buf, "last_dispatch_traffic", None)  # deep_ep's buffer does not count bytes
+    traffic = getattr(buf, "last_dispatch_traffic", None) if traffic else None  # deep_ep's buffer counts none
     weighted = rows * row_probs.unsqueeze(1).to(rows.dtype)
     out = combine(buf, weighted, handle, num_permuted_tokens=capacity, pad_multiple=pad_multiple)
     (out.float() * weights[rank]).sum().backward()
@@ -206,6 +207,85 @@ def _case(checks, rank, world_size, index, case):
     ref_rows, ref_row_probs, ref_counts = ref_dispatch[rank]
     tol = TOLERANCE[dtype]
     _run_checks(checks, CASE_CHECKS, locals())
+    if world_size > 1 and fused_path:
+        _exact_case(checks, rank, world_size, locals())
+
+
+# ------------------------------------------------------------------ exact rows, counts on the device
+
+
+def exact_nonblocking_is_bitwise_blocking(exact_roomy, roomy, exact_rows, blocking):
+    rows = exact_roomy["rows"]
+    assert rows.shape[0] == roomy, f"{rows.shape[0]} rows, capacity {roomy}"
+    assert torch.equal(rows[:exact_rows], blocking["rows"]), "rows differ from blocking"
+    assert torch.equal(exact_roomy["row_probs"][:exact_rows], blocking["row_probs"])
+    assert not exact_roomy["row_probs"][exact_rows:].any()
+    assert torch.equal(exact_roomy["counts"], blocking["counts"]) and int(exact_roomy["flag"]) == 0
+    for key in ("out", "grad_x", "grad_p"):
+        assert torch.equal(exact_roomy[key], blocking[key]), f"{key} differs from blocking"
+
+
+def exact_nonblocking_sends_the_blocking_bytes(exact_traffic, blocking):
+    assert exact_traffic == blocking["traffic"], f"{exact_traffic} != blocking's {blocking['traffic']}"
+
+
+def exact_overflow_flags_and_drops_the_tail_as_the_allgather(exact_tight, tight_run):
+    for key in ("rows", "row_probs", "counts", "flag", "out", "grad_x", "grad_p"):
+        assert torch.equal(exact_tight[key], tight_run[key]), f"{key} differs from the all-gather's"
+
+
+def exact_calls_go_through_the_exchange(exchange_calls):
+    # Two runs of 4 calls (dispatch, combine, and their backward) and one dispatch: a barrier each;
+    # an exchange of rows each, and of probs where the call carries them (the dispatch, and the
+    # combine that is the dispatch's backward): 2 + 1 + 1 + 2 per run, 2 for the dispatch.
+    assert exchange_calls == (9, 14), exchange_calls
+
+
+EXACT_CHECKS = (
+    exact_nonblocking_is_bitwise_blocking,
+    exact_nonblocking_sends_the_blocking_bytes,
+    exact_overflow_flags_and_drops_the_tail_as_the_allgather,
+    exact_calls_go_through_the_exchange,
+)
+
+
+def _slab_exchange(group):
+    from tests.device_splits import SlabExchange
+
+    return SlabExchange(group)
+
+
+# The exchange `_exact_case` sends through: on CPU ranks a stand-in on the group's collectives;
+# `tests/test_gpu_nvshmem.py` puts NVSHMEM's here.
+EXACT_EXCHANGE = _slab_exchange
+
+
+def _exact_case(checks, rank, world_size, case):
+    """The case's non-blocking dispatches again, sending exact rows through an exchange that
+    takes its counts on the device (`EXACT_EXCHANGE`), with no host read."""
+    from megatron_ext.hybridep import TorchHybridEPBuffer
+    from megatron_ext.tooling.sync import forbid_host_sync
+
+    exchange = EXACT_EXCHANGE(dist.group.WORLD)
+    buf = TorchHybridEPBuffer(dist.group.WORLD, HIDDEN, case["num_tokens"], case["num_local"], transport=exchange)
+    args = [case[k] for k in ("x", "m", "p", "rank", "weights", "num_local")]
+    x, m, p = (t.to(case["device"]) for t in (case["hidden"][rank], case["maps"][rank], case["probs"][rank]))
+    args[:3] = x, m, p
+    with forbid_host_sync():
+        exact_roomy = _forward_backward(buf, *args, case["roomy"], case["pad_multiple"], traffic=False)
+    exact_tight = _forward_backward(buf, *args, case["tight"], case["pad_multiple"], traffic=False)
+    buf.dispatch_with_permute(
+        hidden=x,
+        routing_map=m,
+        probs=p,
+        num_permuted_tokens=case["roomy"],
+        pad_multiple=case["pad_multiple"],
+        non_blocking=True,
+    )
+    exact_traffic = buf.last_dispatch_traffic
+    exchange_calls = (exchange.barriers, exchange.exchanges)
+    exact_roomy, exact_tight = _cpu(exact_roomy), _cpu(exact_tight)
+    _run_checks(checks, EXACT_CHECKS, {**case, **locals()})
 
 
 # ------------------------------------------------------------------ the sync guard
@@ -316,6 +396,18 @@ CHECKS = tuple(check.__name__ for check in (*CASE_CHECKS, guard_trips_on_blockin
 @pytest.mark.parametrize("check", CHECKS)
 def test_buffer(results, check):
     _, outcomes = results
+    assert_ok(outcomes, check)
+
+
+@pytest.mark.parametrize("check", [check.__name__ for check in EXACT_CHECKS])
+def test_exact_nonblocking_path(results, check):
+    world_size, outcomes = results
+    if world_size == 1:
+        pytest.skip("one rank exchanges nothing")
+    if not fused.enabled_for(torch.empty(0)):
+        pytest.skip(
+            "the exact path runs the fused kernels: tests/test_interpreter.py runs it under Triton's interpreter"
+        )
     assert_ok(outcomes, check)
 
 

@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 from megatron_ext import fused
 from megatron_ext.hybridep.allgather import RoutingMapGather
+from megatron_ext.hybridep.exchange import TRANSPORTS, DeviceSplitsExchange, choose_exchange
 from megatron_ext.hybridep.layout import expert_layout, padded_counts, round_up
 
 SUPPORTED_HIDDEN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -66,6 +67,10 @@ class HybridEPHandle(NamedTuple):
     token_rows: Optional[
         torch.Tensor
     ]  # fused kernels only: [T, W] int32, combine's returned row of (token, rank) or -1
+    send_counts: Optional[torch.Tensor]  # exact non-blocking only: [W] int64 rows sent to each rank, on the device
+    recv_counts: Optional[
+        torch.Tensor
+    ]  # exact non-blocking only: [W] int64 rows received from each rank (the exchange writes it)
 
 
 def _handle(
@@ -78,11 +83,14 @@ def _handle(
     pad_multiple: Optional[int],
     tables: tuple[Optional[torch.Tensor], Optional[torch.Tensor]] = (None, None),
     send: Optional[tuple[torch.Tensor, torch.Tensor, tuple[int, ...], tuple[int, ...]]] = None,
+    exact: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
 ) -> HybridEPHandle:
     """A handle from its parts: `layout_rows` (row_slot, row_prob_index), `counts` (overflow flag,
-    tokens_per_expert, real_rows), the fused kernels' `tables` (slot_rows, token_rows), and, for a
-    blocking dispatch, `send` (send_token, send_dest, send_splits, recv_splits)."""
+    tokens_per_expert, real_rows), the fused kernels' `tables` (slot_rows, token_rows), for a
+    dispatch that sends exact rows `send` (send_token, send_dest, and, when blocking, send_splits
+    and recv_splits), and for a non-blocking one of those `exact` (send_counts, recv_counts)."""
     send_token, send_dest, send_splits, recv_splits = send if send is not None else (None, None, None, None)
+    send_counts, recv_counts = exact if exact is not None else (None, None)
     return HybridEPHandle(
         row_slot=layout_rows[0],
         row_prob_index=layout_rows[1],
@@ -93,14 +101,26 @@ def _handle(
         recv_splits=recv_splits,
         num_tokens=num_tokens,
         capacity=capacity,
-        non_blocking=send is None,
+        non_blocking=send is None or exact is not None,
         overflow_flag=counts[0],
         tokens_per_expert=counts[1],
         pad_multiple=pad_multiple,
         real_rows=counts[2],
         slot_rows=tables[0],
         token_rows=tables[1],
+        send_counts=send_counts,
+        recv_counts=recv_counts,
     )
+
+
+class _SendPlan(NamedTuple):
+    """A dispatch's exact send plan, made on the device (`TorchHybridEPBuffer._send_plan`)."""
+
+    slot_of_token: torch.Tensor  # [W * T] receive slot of gathered token g (received ones ascending; others none)
+    token_rows: torch.Tensor  # [T, W] int32 combine's returned row of (token, rank), or -1: send order
+    pairs: torch.Tensor  # [W * T, 2] (rank, token) of each row to send, by rank then token; the real ones first
+    send_counts: torch.Tensor  # [W] int64 rows sent to each rank
+    recv_counts: torch.Tensor  # [W] int64 rows received from each rank
 
 
 @dataclass(frozen=True)
@@ -116,6 +136,11 @@ class Traffic:
         return self.routing_map + self.hidden + self.probs
 
 
+def _traffic(map_bytes: int, rows: int | torch.Tensor, row_bytes: int, probs_row_bytes: int) -> Traffic:
+    rows = int(rows)  # a device count (a non-blocking dispatch that sent exact rows) is read here
+    return Traffic(map_bytes, rows * row_bytes, rows * probs_row_bytes)
+
+
 def _check(condition: bool, argument: str, requirement: str, got: object) -> None:
     """Raise naming `argument` unless `condition`; a tensor `got` is described only then."""
     if not condition:
@@ -126,6 +151,13 @@ def _check(condition: bool, argument: str, requirement: str, got: object) -> Non
 
 def _describe(t: Optional[torch.Tensor]) -> str:
     return "None" if t is None else f"{t.dtype} tensor of shape {tuple(t.shape)}"
+
+
+def _probs_per_slot(probs: torch.Tensor, handle: HybridEPHandle, num_local: int) -> torch.Tensor:
+    """`[num_slots, L]` float32: each row's value at its (slot, expert); zero where no row is."""
+    table = torch.zeros(handle.num_slots + 1, num_local, dtype=torch.float32, device=probs.device)
+    table.view(-1).index_put_((handle.row_prob_index,), probs)
+    return table[: handle.num_slots]
 
 
 def _gather_or_zero(src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -184,6 +216,7 @@ class TorchHybridEPBuffer:
         enable_custom_allgather: bool = False,
         *,
         reuse_allgather_buffer: bool = False,
+        transport: str | DeviceSplitsExchange = "auto",
     ):
         _check(group is not None, "group", "a torch.distributed ProcessGroup", group)
         _check(isinstance(hidden_dim, int) and hidden_dim > 0, "hidden_dim", "a positive int", hidden_dim)
@@ -200,6 +233,12 @@ class TorchHybridEPBuffer:
             num_local_experts,
         )
         _check(not use_fp8, "use_fp8", "False (the PyTorch HybridEP buffer moves bf16/fp16/fp32 only)", use_fp8)
+        _check(
+            transport in TRANSPORTS or hasattr(transport, "exchange"),
+            "transport",
+            f"one of {', '.join(TRANSPORTS)}",
+            transport,
+        )
         self.group = group
         self.world_size = group.size()
         self.rank = group.rank()
@@ -207,9 +246,46 @@ class TorchHybridEPBuffer:
         self.max_num_of_tokens_per_rank = max_num_of_tokens_per_rank
         self.num_local_experts = num_local_experts
         self.routing_map_gather = RoutingMapGather(group, reuse=reuse_allgather_buffer or enable_custom_allgather)
-        self.last_dispatch_traffic = Traffic()
-        self.last_combine_traffic = Traffic()
+        self._transport = transport
+        self._splits_exchange: Optional[DeviceSplitsExchange] = None
+        self._exchange_chosen = False
+        # (routing-map bytes, rows sent to other ranks (an int, or a device count), bytes per
+        # hidden row, bytes of probs per row) of the last dispatch and combine: `last_*_traffic`.
+        self._dispatch_traffic: tuple = (0, 0, 0, 0)
+        self._combine_traffic: tuple = (0, 0, 0, 0)
         self._returned_rows_cache: dict = {}
+
+    @property
+    def last_dispatch_traffic(self) -> Traffic:
+        """Bytes the last dispatch sent to other ranks. After a non-blocking dispatch that sent
+        exact rows, reading this reads their count on the host."""
+        return _traffic(*self._dispatch_traffic)
+
+    @property
+    def last_combine_traffic(self) -> Traffic:
+        """Bytes the last combine sent to other ranks (as `last_dispatch_traffic`)."""
+        return _traffic(*self._combine_traffic)
+
+    @property
+    def symmetric_memory_bytes(self) -> int:
+        """Bytes of symmetric (NVSHMEM) buffers this buffer's exact non-blocking path holds."""
+        return 0 if self._splits_exchange is None else self._splits_exchange.memory_bytes
+
+    def _device_splits_exchange(self, t: torch.Tensor) -> Optional[DeviceSplitsExchange]:
+        """The exchange a non-blocking dispatch of tensors like `t` sends exact rows through, or
+        None (the all-gather). Chosen at the first such dispatch (collective: every rank's first)."""
+        if self.world_size == 1 or not fused.enabled_for(t):
+            _check(
+                self._transport != "nvshmem" or self.world_size == 1,
+                "transport",
+                "'auto' or 'process_group' for CPU tensors ('nvshmem' moves CUDA tensors)",
+                self._transport,
+            )
+            return None
+        if not self._exchange_chosen:
+            self._splits_exchange = choose_exchange(self.group, self._transport)
+            self._exchange_chosen = True
+        return self._splits_exchange
 
     # ------------------------------------------------------------------ dispatch
 
@@ -283,8 +359,14 @@ class TorchHybridEPBuffer:
                 )
             if probs is not None:
                 self._check_probs(probs, handle.num_tokens, self.world_size * self.num_local_experts)
-        rows, row_probs, hidden_bytes, probs_bytes = self._move_rows(hidden, probs, handle)
-        self.last_dispatch_traffic = Traffic(map_bytes, hidden_bytes, probs_bytes)
+        rows, row_probs, rows_elsewhere = self._move_rows(hidden, probs, handle)
+        row_bytes = hidden.shape[1] * hidden.element_size()
+        self._dispatch_traffic = (
+            map_bytes,
+            rows_elsewhere,
+            row_bytes,
+            0 if probs is None else self.num_local_experts * 4,
+        )
         return rows, row_probs, None, handle.tokens_per_expert, handle
 
     def _resolve_routing(self, hidden, routing_map, probs, topk_idx, topk_weights, num_of_experts, num_local):
@@ -454,9 +536,27 @@ class TorchHybridEPBuffer:
 
     def _plan_fused(self, routing_map, local_map, capacity, pad_multiple, non_blocking) -> HybridEPHandle:
         """`_plan` where the fused kernels run: the layout and both row tables in two launches."""
-        W, L = self.world_size, self.num_local_experts
+        W = self.world_size
         num_tokens = routing_map.shape[0]
         counts = fused.block_counts(local_map)
+        if non_blocking and self._device_splits_exchange(routing_map) is not None:
+            # Exact rows, their counts on the device: the blocking plan, with W x T receive slots
+            # (the most there can be) instead of the count read on the host.
+            plan = self._send_plan(routing_map, local_map)
+            layout = fused.dispatch_layout(
+                local_map, counts, capacity, pad_multiple, W * num_tokens, plan.slot_of_token, spare_slots=True
+            )
+            return _handle(
+                (layout.row_slot, layout.row_code),
+                (layout.overflow, layout.tokens_per_expert, layout.real_rows),
+                num_slots=W * num_tokens,
+                num_tokens=num_tokens,
+                capacity=capacity,
+                pad_multiple=pad_multiple,
+                tables=(layout.slot_rows, plan.token_rows),
+                send=(plan.pairs[:, 1], plan.pairs[:, 0], None, None),
+                exact=(plan.send_counts, plan.recv_counts),
+            )
         if non_blocking:
             layout = fused.dispatch_layout(local_map, counts, capacity, pad_multiple, W * num_tokens)
             return _handle(
@@ -471,21 +571,14 @@ class TorchHybridEPBuffer:
 
         # Blocking. Whatever the host read does not size is launched before it, so that once the
         # counts arrive (the GPU idle by then) only the layout and the moves are left to launch.
-        received = local_map.any(dim=1)  # [W * T]: token g has at least one expert here
-        by_dest = routing_map.view(num_tokens, W, L).any(dim=2).t()  # [W, T]: token t goes to rank w
-        slot_of_token = torch.cumsum(received, dim=0) - 1  # received tokens sit in ascending g
-        sent = by_dest.reshape(-1)
-        # Combine's returned partials come back in send order: (rank, ascending token).
-        send_order = torch.cumsum(sent, dim=0, dtype=torch.int32) - 1
-        token_rows = torch.where(sent, send_order, -1).view(W, num_tokens).t().contiguous()
-        pairs = torch.nonzero_static(by_dest, size=W * num_tokens)  # (rank, token), the real ones first
+        plan = self._send_plan(routing_map, local_map)
         padded_total = round_up(counts.sum(dim=0, dtype=torch.int64), pad_multiple).sum().reshape(1)
-        host = torch.cat([by_dest.sum(dim=1), received.view(W, num_tokens).sum(dim=1), padded_total]).tolist()
+        host = torch.cat([plan.send_counts, plan.recv_counts, padded_total]).tolist()
         send_splits, recv_splits = tuple(host[:W]), tuple(host[W : 2 * W])
         if capacity is None:  # as in `_plan`: a given capacity truncates and flags
             capacity = host[2 * W]
         num_slots, num_sent = sum(recv_splits), sum(send_splits)
-        layout = fused.dispatch_layout(local_map, counts, capacity, pad_multiple, num_slots, slot_of_token)
+        layout = fused.dispatch_layout(local_map, counts, capacity, pad_multiple, num_slots, plan.slot_of_token)
         return _handle(
             (layout.row_slot, layout.row_code),
             (layout.overflow, layout.tokens_per_expert, layout.real_rows),
@@ -493,8 +586,24 @@ class TorchHybridEPBuffer:
             num_tokens=num_tokens,
             capacity=capacity,
             pad_multiple=pad_multiple,
-            tables=(layout.slot_rows, token_rows),
-            send=(pairs[:num_sent, 1], pairs[:num_sent, 0], send_splits, recv_splits),
+            tables=(layout.slot_rows, plan.token_rows),
+            send=(plan.pairs[:num_sent, 1], plan.pairs[:num_sent, 0], send_splits, recv_splits),
+        )
+
+    def _send_plan(self, routing_map, local_map) -> _SendPlan:
+        """What a dispatch that sends exact rows knows before any count reaches the host."""
+        W, L = self.world_size, self.num_local_experts
+        num_tokens = routing_map.shape[0]
+        received = local_map.any(dim=1)  # [W * T]: token g has at least one expert here
+        by_dest = routing_map.view(num_tokens, W, L).any(dim=2).t()  # [W, T]: token t goes to rank w
+        sent = by_dest.reshape(-1)
+        send_order = torch.cumsum(sent, dim=0, dtype=torch.int32) - 1
+        return _SendPlan(
+            slot_of_token=torch.cumsum(received, dim=0) - 1,
+            token_rows=torch.where(sent, send_order, -1).view(W, num_tokens).t().contiguous(),
+            pairs=torch.nonzero_static(by_dest, size=W * num_tokens),
+            send_counts=by_dest.sum(dim=1),
+            recv_counts=received.view(W, num_tokens).sum(dim=1),
         )
 
     def _returned_rows(self, num_tokens: int, device: torch.device) -> torch.Tensor:
@@ -512,35 +621,55 @@ class TorchHybridEPBuffer:
 
     def _move_rows(self, hidden, probs, handle: HybridEPHandle):
         """Bring the rows of `handle`'s layout to this rank and place them; a padding row (a slot
-        past the received ones) reads as zeros."""
+        past the received ones) reads as zeros. Returns (rows, probs, rows sent to other ranks)."""
         W, L, T = self.world_size, self.num_local_experts, handle.num_tokens
-        width, elt = hidden.shape[1], hidden.element_size()
+        if handle.send_counts is not None:
+            return self._move_exact_rows(hidden, probs, handle)
         fused_kernels = handle.slot_rows is not None
         if handle.non_blocking:
             received = self._all_gather(hidden)
-            hidden_bytes = (W - 1) * T * width * elt
+            rows_elsewhere = (W - 1) * T
         else:
             received = self._exchange(hidden[handle.send_token], handle.recv_splits, handle.send_splits)
-            hidden_bytes = self._sent_elsewhere(handle.send_splits) * width * elt
+            rows_elsewhere = self._sent_elsewhere(handle.send_splits)
         if fused_kernels:  # the existing rows only; those past them unwritten
             rows = fused.gather_rows(received, handle.row_slot, handle.real_rows)
         else:
             rows = _gather_or_zero(received, handle.row_slot)
 
-        row_probs, probs_bytes = None, 0
+        row_probs = None
         if probs is not None:
             per_rank = probs.view(T, W, L)
             if handle.non_blocking:
                 table = self._exchange(per_rank.transpose(0, 1).reshape(W * T, L))
-                probs_bytes = (W - 1) * T * L * 4
             else:
                 sent = per_rank[handle.send_token, handle.send_dest]
                 table = self._exchange(sent, handle.recv_splits, handle.send_splits)
-                probs_bytes = self._sent_elsewhere(handle.send_splits) * L * 4
             gather = fused.gather_values if fused_kernels else _gather_or_zero
             row_probs = gather(table.reshape(-1), handle.row_prob_index)
 
-        return rows, row_probs, hidden_bytes, probs_bytes
+        return rows, row_probs, rows_elsewhere
+
+    def _move_exact_rows(self, hidden, probs, handle: HybridEPHandle):
+        """`_move_rows` for a non-blocking dispatch that sends exact rows: each token once to each
+        rank of its experts, packed by rank into the exchange's send buffer, the counts on the
+        device; received rows land by source rank, which is the order of the receive slots."""
+        W, L, T = self.world_size, self.num_local_experts, handle.num_tokens
+        exchange, slots = self._splits_exchange, W * T
+        exchange.barrier()
+        send, recv = exchange.buffers("rows", slots, hidden.shape[1], hidden.dtype, hidden.device)
+        fused.gather_rows(hidden, handle.send_token, handle.send_counts.sum().reshape(1), out=send)
+        exchange.exchange("rows", handle.send_counts)
+        rows = fused.gather_rows(recv[:slots], handle.row_slot, handle.real_rows)
+        row_probs = None
+        if probs is not None:
+            send_probs, recv_probs = exchange.buffers("probs", slots, L, torch.float32, hidden.device)
+            # Row (token t, rank w) of the [T * W, L] view holds t's probs for w's experts.
+            picked = handle.send_token.clamp(min=0) * W + handle.send_dest.clamp(min=0)
+            torch.index_select(probs.view(T * W, L), 0, picked, out=send_probs[:slots])
+            exchange.exchange("probs", handle.send_counts)
+            row_probs = fused.gather_values(recv_probs[:slots], handle.row_prob_index)
+        return rows, row_probs, handle.send_counts.sum() - handle.send_counts[self.rank]
 
     # ------------------------------------------------------------------ combine
 
@@ -575,6 +704,13 @@ class TorchHybridEPBuffer:
                 f"{handle.pad_multiple} (the dispatch's)",
                 pad_multiple,
             )
+        if probs is not None:
+            _check(
+                probs.dtype == torch.float32 and tuple(probs.shape) == (capacity,),
+                "probs",
+                f"a float32 tensor of shape [{capacity}]",
+                probs,
+            )
         width, elt = hidden.shape[1], hidden.element_size()
 
         # 1. On the expert's rank: one float32 partial per received token, experts in order. The
@@ -583,6 +719,10 @@ class TorchHybridEPBuffer:
         # 2. Partials back to their source ranks; 3. summed there in rank order, in float32 (by a
         # gather per token where the fused kernels run, else by accumulation).
         fused_kernels = handle.slot_rows is not None
+        if handle.send_counts is not None:
+            tokens, token_probs, rows_elsewhere = self._combine_exact_rows(hidden, probs, handle)
+            self._combine_traffic = (0, rows_elsewhere, width * elt, 0 if probs is None else L * 4)
+            return tokens, token_probs
         if fused_kernels:
             partial = fused.sum_rows_per_slot(hidden, handle.slot_rows, hidden.dtype)
         else:
@@ -591,10 +731,10 @@ class TorchHybridEPBuffer:
             partial = partial[: handle.num_slots].to(hidden.dtype)
         if handle.non_blocking:
             back = self._exchange(partial)
-            hidden_bytes = (W - 1) * T * width * elt
+            rows_elsewhere = (W - 1) * T
         else:
             back = self._exchange(partial, handle.send_splits, handle.recv_splits)
-            hidden_bytes = self._sent_elsewhere(handle.recv_splits) * width * elt
+            rows_elsewhere = self._sent_elsewhere(handle.recv_splits)
         if handle.non_blocking and W == 1:
             tokens = back  # token t's one partial is row t: a float32 sum of one term is the term
         elif fused_kernels:
@@ -604,29 +744,40 @@ class TorchHybridEPBuffer:
             out = torch.zeros(T, width, dtype=torch.float32, device=hidden.device)
             tokens = _accumulate(out, back_token, back).to(hidden.dtype)
 
-        token_probs, probs_bytes = None, 0
+        token_probs = None
         if probs is not None:
-            _check(
-                probs.dtype == torch.float32 and tuple(probs.shape) == (capacity,),
-                "probs",
-                f"a float32 tensor of shape [{capacity}]",
-                probs,
-            )
-            table = torch.zeros(handle.num_slots + 1, L, dtype=torch.float32, device=probs.device)
-            table.view(-1).index_put_((handle.row_prob_index,), probs)
-            table = table[: handle.num_slots]
+            table = _probs_per_slot(probs, handle, L)
             if handle.non_blocking:
                 back_probs = self._exchange(table)
                 token_probs = back_probs.view(W, T, L).transpose(0, 1).reshape(T, W * L)
-                probs_bytes = (W - 1) * T * L * 4
             else:
                 back_probs = self._exchange(table, handle.send_splits, handle.recv_splits)
                 token_probs = torch.zeros(T, W, L, dtype=torch.float32, device=probs.device)
                 token_probs[handle.send_token, handle.send_dest] = back_probs
                 token_probs = token_probs.view(T, W * L)
-                probs_bytes = self._sent_elsewhere(handle.recv_splits) * L * 4
-        self.last_combine_traffic = Traffic(0, hidden_bytes, probs_bytes)
+        self._combine_traffic = (0, rows_elsewhere, width * elt, 0 if probs is None else L * 4)
         return tokens, token_probs
+
+    def _combine_exact_rows(self, hidden, probs, handle: HybridEPHandle):
+        """combine for a dispatch that sent exact rows: the partials of each received token go back
+        to their source rank in slot order (by source, then token), which is each source's send
+        order, so `token_rows` finds them; the probs travel alike."""
+        W, L, T = self.world_size, self.num_local_experts, handle.num_tokens
+        exchange, slots = self._splits_exchange, W * T
+        exchange.barrier()
+        send, recv = exchange.buffers("rows", slots, hidden.shape[1], hidden.dtype, hidden.device)
+        fused.sum_rows_per_slot(hidden, handle.slot_rows, hidden.dtype, out=send)
+        exchange.exchange("rows", handle.recv_counts)
+        tokens = fused.sum_rows_per_slot(recv[:slots], handle.token_rows, hidden.dtype)
+        token_probs = None
+        if probs is not None:
+            send_probs, recv_probs = exchange.buffers("probs", slots, L, torch.float32, hidden.device)
+            send_probs[:slots].copy_(_probs_per_slot(probs, handle, L))
+            exchange.exchange("probs", handle.recv_counts)
+            returned = handle.token_rows.long()  # [T, W]: row of (token, rank) in send order, or -1
+            picked = recv_probs[:slots][returned.clamp(min=0)]  # [T, W, L]
+            token_probs = torch.where((returned >= 0).unsqueeze(2), picked, 0.0).view(T, W * L)
+        return tokens, token_probs, handle.recv_counts.sum() - handle.recv_counts[self.rank]
 
     # ------------------------------------------------------------------ helpers
 

@@ -4,10 +4,12 @@
 # ../shared/tools/deep_ep's wheel; deep_ep's JIT cache of the last call in .whl/jit.tgz when
 # there is one). Results: s5-* beside this file.
 #   probe: the one-GPU tests at the last session's review commit (not run on a GPU before), the
-#          round trip, where a non-blocking dispatch call's host time goes (host_split.py), which
-#          shapes deep_ep's buffer constructor aborts on (deep_ep_shapes.py), and whether torch's
-#          NVSHMEM all-to-alls run on one GPU, at one rank and at two ranks sharing it
-#          (symm_one_gpu.py).
+#          round trip, where a non-blocking dispatch call's host time goes (host_split.py), and
+#          which shapes deep_ep's buffer constructor aborts on (deep_ep_shapes.py). (Whether torch's
+#          NVSHMEM all-to-alls run on one GPU was probed by symm_one_gpu.py, run on its own.)
+#   exact: the exact non-blocking path on NVSHMEM (two ranks on the GPU under MPS), the GPU tests of
+#          the kernels, buffer and layers after it, the round trip, host_split.py, and the large
+#          size's every mode (the re-run modes too).
 #   bench: the large and mid sizes, every mode (the re-run modes too), and the round trip.
 #   last:  the GPU tests, deep_ep's against the buffer and in layers included.
 set -uo pipefail
@@ -54,11 +56,20 @@ case ${1:-} in
       timeout 90 python3 $HERE/host_split.py 2>&1 | grep -v Warning
       echo "=== deep_ep_shapes $(date -u +%H:%M:%S)"
       timeout 150 python3 $HERE/deep_ep_shapes.py 2>&1
-      echo "=== symm_one_gpu $(date -u +%H:%M:%S)"
-      timeout 120 python3 $HERE/symm_one_gpu.py 2>&1
       keep_jit
     } > "$OUT/probe.log" 2>&1
     grep -hvE "^\s*$" "$OUT/probe.log" | grep -vE "^\.+ *\[|warnings.warn|^  " | head -150 ;;
+  exact)
+    {
+      tests 200 tests/test_gpu_nvshmem.py
+      tests 200 tests/test_fused.py tests/test_gpu_buffer.py tests/test_gpu_moe_layer.py
+      roundtrip
+      echo "=== host_split $(date -u +%H:%M:%S)"
+      timeout 90 python3 $HERE/host_split.py 2>&1 | grep -v Warning | head -16
+      bench large 260 $LARGE --check-steps 1 --steps 5 --repeat 2 --modes $ALL
+      keep_jit
+    } > "$OUT/exact.log" 2>&1
+    grep -hE "^=== |passed|failed|rror|host ms|us  |on the GPU|^(megatron|blocking|capacity|deep_ep|mode )|OK|FAIL" "$OUT/exact.log" | head -90 ;;
   bench)
     {
       roundtrip
@@ -75,5 +86,5 @@ case ${1:-} in
       tests 330 tests/test_gpu_deep_ep.py tests/test_gpu_deep_ep_layer.py
     } > "$OUT/last.log" 2>&1
     grep -hE "^=== |passed|failed|rror|FAIL" "$OUT/last.log" | head -60 ;;
-  *) echo "usage: $0 probe|bench|last" >&2; exit 2 ;;
+  *) echo "usage: $0 probe|exact|bench|last" >&2; exit 2 ;;
 esac

@@ -1,0 +1,177 @@
+"""All-to-alls whose splits stay on the device: how a non-blocking dispatch sends exact bytes.
+
+A non-blocking dispatch cannot read how many rows go to each rank, so on the process group's
+collectives it all-gathers every token (`torch_buffer`: W / k_r times the exact bytes). An
+exchange that takes its splits on the device sends only the rows each rank needs, the way a
+blocking dispatch does, with nothing read on the host. `TorchHybridEPBuffer` uses one for its
+non-blocking dispatches and their combines when one is chosen (`transport`, below).
+
+The exchange here is torch's symmetric memory on NVSHMEM (`torch.ops.symm_mem.all_to_all_vdev`,
+torch 2.8+, one GPU per rank; seen working on an H200 with torch 2.11 and NVSHMEM 3.4.5). Its
+buffers are symmetric: allocated once, collectively, with the same shape on every rank, sized
+for the most rows a call can move (W x T: each token once to each rank) and reused. The op pulls
+rows from the peers' send buffers and lets a peer write into a rank's split buffer as soon as it
+starts, with no barrier at either end; so every call that writes these buffers starts with
+`barrier()`, which on an NCCL group is a one-element all-reduce on the stream (no host wait): when
+it completes, every rank has finished the previous call's exchanges.
+
+`transport` (the buffer's argument): 'process_group' keeps the group's collectives; 'nvshmem'
+asks for this exchange and raises where it cannot be had; 'auto' takes it for an NCCL group of 2+
+ranks, one GPU each, where torch's NVSHMEM is available, and the collectives otherwise (logged,
+with the reason, once per group).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import warnings
+from typing import Optional, Protocol
+
+import torch
+import torch.distributed as dist
+
+from megatron_ext.logs import once_per_group
+
+logger = logging.getLogger(__name__)
+
+TRANSPORTS = ("auto", "process_group", "nvshmem")
+
+
+class DeviceSplitsExchange(Protocol):
+    """Moves rows between the ranks of a group with per-destination counts held on the device.
+
+    A call: `barrier()`, then for each key, `buffers(key, ...)`, the caller writes the rows for
+    rank 0, then rank 1, ... from the send buffer's first row, then `exchange(key, counts)`; the
+    receive buffer then holds the rows from rank 0, then rank 1, ... from its first row.
+    """
+
+    name: str
+
+    def barrier(self) -> None: ...
+
+    def buffers(
+        self, key: str, rows: int, width: int, dtype: torch.dtype, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def exchange(self, key: str, send_counts: torch.Tensor) -> torch.Tensor: ...
+
+    @property
+    def memory_bytes(self) -> int: ...
+
+
+class NVSHMEMExchange:
+    """`DeviceSplitsExchange` on torch's symmetric memory (NVSHMEM's all_to_all_vdev)."""
+
+    name = "nvshmem"
+
+    def __init__(self, group: dist.ProcessGroup):
+        import torch.distributed._symmetric_memory as symm_mem
+
+        self._symm = symm_mem
+        self.group = group
+        self.world_size = group.size()
+        self._group_name = group.group_name
+        symm_mem.set_backend("NVSHMEM")
+        with warnings.catch_warnings():  # torch 2.11 deprecates the call it still needs here
+            warnings.simplefilter("ignore")
+            symm_mem.enable_symm_mem_for_group(self._group_name)
+        self._held: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._token: Optional[torch.Tensor] = None
+        self._on_nccl = dist.get_backend(group) == "nccl"
+
+    def _empty(self, *shape: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        tensor = self._symm.empty(*shape, dtype=dtype, device=device)
+        self._symm.rendezvous(tensor, self._group_name)
+        return tensor
+
+    def barrier(self) -> None:
+        if not self._on_nccl:
+            # Another backend's all-reduce does not wait for the GPU: wait for it here (a host read;
+            # only tests put this exchange on a gloo group).
+            torch.cuda.synchronize()
+            dist.barrier(group=self.group)
+            return
+        if self._token is None:
+            self._token = torch.zeros(1, dtype=torch.int32, device=torch.cuda.current_device())
+        dist.all_reduce(self._token, group=self.group)
+
+    def buffers(self, key, rows, width, dtype, device):
+        held = self._held.get(key)
+        if held is None or held[0].shape[0] < rows or held[0].shape[1] != width or held[0].dtype != dtype:
+            # Collective: every rank asks for the same key and shape at the same call.
+            held = (
+                self._empty(rows, width, dtype=dtype, device=device),
+                self._empty(rows, width, dtype=dtype, device=device),
+                self._empty(self.world_size, dtype=torch.int64, device=device),
+                self._empty(2, self.world_size, dtype=torch.int64, device=device),
+            )
+            self._held[key] = held
+        return held[0], held[1]
+
+    def exchange(self, key, send_counts):
+        send, recv, in_splits, out_splits_offsets = self._held[key]
+        in_splits.copy_(send_counts)
+        torch.ops.symm_mem.all_to_all_vdev(send, recv, in_splits, out_splits_offsets, self._group_name)
+        return out_splits_offsets[0]
+
+    @property
+    def memory_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for held in self._held.values() for t in held)
+
+
+def nvshmem_unavailable(group: dist.ProcessGroup) -> Optional[str]:
+    """None where `NVSHMEMExchange` can serve `group` (ranks on GPUs), else why not."""
+    if group.size() < 2:
+        return "one rank exchanges nothing"
+    if not torch.cuda.is_available():
+        return "no CUDA GPU"
+    try:
+        import torch.distributed._symmetric_memory as symm_mem
+    except ImportError as error:
+        return f"torch has no symmetric memory ({error})"
+    if not hasattr(torch.ops.symm_mem, "all_to_all_vdev") or not symm_mem.is_nvshmem_available():
+        return f"torch {torch.__version__} has no NVSHMEM all_to_all_vdev"
+    # NVSHMEM ends the process when two ranks share a GPU without CUDA MPS ("limited MPG").
+    here = (socket.gethostname(), torch.cuda.current_device())
+    places: list = [None] * group.size()
+    dist.all_gather_object(places, here, group=group)
+    if len(set(places)) < len(places) and not os.environ.get("CUDA_MPS_PIPE_DIRECTORY"):
+        return "ranks share a GPU (NVSHMEM needs CUDA MPS for that)"
+    return None
+
+
+def choose_exchange(group: dist.ProcessGroup, transport) -> Optional[DeviceSplitsExchange]:
+    """The exchange for `transport` (one of TRANSPORTS, or a `DeviceSplitsExchange` to use as is),
+    or None for the group's collectives. Called once per buffer, on every rank of `group`."""
+    if not isinstance(transport, str):
+        return transport
+    if transport == "process_group" or group.size() < 2:
+        return None
+    if transport == "auto" and dist.get_backend(group) != "nccl":
+        reason = f"the group's backend is {dist.get_backend(group)}, not nccl"
+    else:
+        reason = nvshmem_unavailable(group)
+    if reason is None:
+        try:
+            exchange = NVSHMEMExchange(group)
+        except Exception as error:  # noqa: BLE001 - any failure to set NVSHMEM up falls back or is named
+            reason = f"NVSHMEM did not start: {type(error).__name__}: {error}"
+    if reason is not None:
+        if transport == "nvshmem":
+            raise RuntimeError(
+                f"HybridEP: transport='nvshmem' cannot serve this group: {reason}. Use transport='auto' "
+                "or 'process_group' (the group's collectives)."
+            )
+        logger.log(
+            once_per_group(logging.INFO, group),
+            "megatron-ext: non-blocking dispatches all-gather tokens on the group's collectives (%s).",
+            reason,
+        )
+        return None
+    logger.log(
+        once_per_group(logging.INFO, group),
+        "megatron-ext: non-blocking dispatches send exact bytes through NVSHMEM (torch symmetric memory).",
+    )
+    return exchange
