@@ -63,6 +63,9 @@ def mps():
     env = {"CUDA_MPS_PIPE_DIRECTORY": f"{root}/pipe", "CUDA_MPS_LOG_DIRECTORY": f"{root}/log"}
     for folder in env.values():
         os.makedirs(folder, exist_ok=True)
+    # NVSHMEM gives the ranks of one GPU full support only when their MPS thread shares sum to
+    # 100 or less (else "limited MPG", and it ends the process at the first team split).
+    env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(100 // WORLD)
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     subprocess.run([control, "-d"], check=True, env=os.environ.copy(), timeout=30)

@@ -74,7 +74,7 @@ def _reference_forward_backward(hidden, maps, probs, weights, world_size, pad_mu
     dispatched = reference.dispatch(xs, maps, ps, world_size, pad_multiple)
     weighted = [rows * row_probs.unsqueeze(1) for rows, row_probs, _ in dispatched]
     outs = reference.combine(weighted, maps, world_size, pad_multiple)
-    sum((o * w.double()).sum() for o, w in zip(outs, weights)).backward()
+    sum((o * w.cpu().double()).sum() for o, w in zip(outs, weights)).backward()  # the reference runs on CPU
     return dispatched, outs, [x.grad for x in xs], [p.grad for p in ps]
 
 

@@ -11,7 +11,7 @@
 #          the kernels, buffer and layers after it, the round trip, host_split.py, and the large
 #          size's every mode (the re-run modes too).
 #   bench: the large and mid sizes, every mode (the re-run modes too), and the round trip.
-#   last:  the GPU tests, deep_ep's against the buffer and in layers included.
+#   last:  the NVSHMEM test again (fixed), the re-run checks, deep_ep's tests against the buffer and in layers.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 CUDA_HOME=/usr/local/cuda PATH=/usr/local/cuda/bin:$PATH
 export HYBRID_EP_CACHE_DIR=/tmp/hybrid_ep_jit
@@ -82,8 +82,9 @@ case ${1:-} in
     grep -hE "^=== |host ms|us  |^(megatron|blocking|capacity|deep_ep|mode )|OK|FAIL|jit" "$OUT/bench.log" ;;
   last)
     {
-      tests 200 tests/test_fused.py tests/test_experts.py tests/test_gpu_buffer.py tests/test_gpu_moe_layer.py tests/test_gpu_recovery.py
-      tests 330 tests/test_gpu_deep_ep.py tests/test_gpu_deep_ep_layer.py
+      tests 120 tests/test_gpu_nvshmem.py
+      tests 120 tests/test_gpu_recovery.py
+      tests 300 tests/test_gpu_deep_ep.py tests/test_gpu_deep_ep_layer.py
     } > "$OUT/last.log" 2>&1
     grep -hE "^=== |passed|failed|rror|FAIL" "$OUT/last.log" | head -60 ;;
   *) echo "usage: $0 probe|exact|bench|last" >&2; exit 2 ;;
