@@ -60,6 +60,15 @@ class HybridEPTransformerConfig(TransformerConfig):
     device assert.
     Outside Megatron's training loop an overflow always stops with the device assert."""
 
+    moe_hybridep_transport: options.Transport = options.AUTO
+    """[megatron-ext] How the torch implementation's non-blocking (capacity-mode) dispatches move
+    tokens. process_group: all-gather every token on the expert-parallel group's collectives (W /
+    k_r times the exact bytes, k_r the ranks a token goes to). nvshmem: send each token only to the
+    ranks of its experts, the counts kept on the GPU, through torch's NVSHMEM all_to_all_vdev
+    (torch 2.8+, one GPU per rank, symmetric buffers of ranks x tokens rows). auto: nvshmem for an
+    NCCL group of 2+ ranks on one node where torch's NVSHMEM is available, process_group otherwise;
+    the choice is logged."""
+
     def __post_init__(self):
         super().__post_init__()
         options.validate(self)

@@ -216,6 +216,7 @@ class HybridEPCapacityManager:
             num_tokens=padded,
             num_local_experts=self.num_local_experts,
             reuse_allgather_buffer=self.options.reuse_allgather_buffer,
+            transport=self.options.transport,
         )
         self.last_buffer = buffer
         capacity = self._dispatch_capacity()

@@ -22,6 +22,9 @@ AUTO: Final = "auto"
 BUFFER_IMPLEMENTATIONS: tuple[str, ...] = tuple(name for name in IMPLEMENTATIONS if name != AUTO)
 OverflowPolicy = Literal["rerun", "fail"]
 OVERFLOW_POLICIES: tuple[str, ...] = get_args(OverflowPolicy)
+# How the torch implementation's non-blocking dispatches move tokens (`megatron_ext.hybridep.exchange`).
+Transport = Literal["auto", "process_group", "nvshmem"]
+TRANSPORTS: tuple[str, ...] = get_args(Transport)
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +48,7 @@ class HybridEPOptions:
     reuse_allgather_buffer: bool = False
     implementation: Implementation = AUTO
     overflow_policy: OverflowPolicy = "rerun"
+    transport: Transport = AUTO
 
     @classmethod
     def from_config(cls, config: Any) -> HybridEPOptions:
@@ -173,6 +177,23 @@ def validate(config: Any) -> HybridEPOptions:
             f"{flag('moe_hybridep_overflow_policy')} {options.overflow_policy!r} is not one of "
             f"{', '.join(OVERFLOW_POLICIES)}."
         )
+    if options.transport not in TRANSPORTS:
+        raise HybridEPConfigError(
+            f"{flag('moe_hybridep_transport')} {options.transport!r} is not one of {', '.join(TRANSPORTS)}."
+        )
+    if options.transport != AUTO:
+        if options.capacity_factor is None:
+            raise HybridEPConfigError(
+                f"{flag('moe_hybridep_transport')} {options.transport} says how capacity mode's non-blocking "
+                f"dispatches move tokens (a blocking dispatch sends exact rows anyway); set {CAPACITY_FACTOR_FLAG} "
+                "too, or drop it."
+            )
+        if options.implementation == "deep_ep":
+            raise HybridEPConfigError(
+                f"{flag('moe_hybridep_transport')} {options.transport} chooses the torch implementation's "
+                f"transport; deep_ep's kernels move their own bytes. Use {flag('moe_hybridep_implementation')} "
+                "torch, or drop the transport flag."
+            )
     if options.overflow_policy != "rerun" and options.capacity_factor is None:
         raise HybridEPConfigError(
             f"{flag('moe_hybridep_overflow_policy')} {options.overflow_policy} says what a capacity-mode "

@@ -38,6 +38,8 @@ ALL_FLAGS = [
     "--moe-hybridep-verify-equal-token-counts",
     "--moe-hybridep-overflow-policy",
     "fail",
+    "--moe-hybridep-transport",
+    "nvshmem",
 ]
 ALL_VALUES = {
     "moe_hybridep_capacity_factor": 1.5,
@@ -46,6 +48,7 @@ ALL_VALUES = {
     "moe_hybridep_reuse_allgather_buffer": True,
     "moe_hybridep_implementation": "torch",
     "moe_hybridep_overflow_policy": "fail",
+    "moe_hybridep_transport": "nvshmem",
 }
 DEFAULTS = {
     "moe_hybridep_capacity_factor": None,
@@ -54,6 +57,7 @@ DEFAULTS = {
     "moe_hybridep_reuse_allgather_buffer": False,
     "moe_hybridep_implementation": "auto",
     "moe_hybridep_overflow_policy": "rerun",
+    "moe_hybridep_transport": "auto",
 }
 # A phrase of each field's docstring, which is its --help text.
 HELP_PHRASES = {
@@ -63,6 +67,7 @@ HELP_PHRASES = {
     "--moe-hybridep-reuse-allgather-buffer": "one buffer per process group",
     "--moe-hybridep-implementation": "implementation on torch.distributed",
     "--moe-hybridep-overflow-policy": "run again with blocking dispatches",
+    "--moe-hybridep-transport": "all_to_all_vdev",
 }
 TINY = dict(num_layers=1, hidden_size=16, num_attention_heads=1, num_moe_experts=4)
 HYBRIDEP = dict(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="hybridep")
@@ -165,6 +170,7 @@ def test_field_names():
         "moe_hybridep_reuse_allgather_buffer",
         "moe_hybridep_implementation",
         "moe_hybridep_overflow_policy",
+        "moe_hybridep_transport",
     )
     # the options the dispatcher reads are exactly these fields (options.py cannot import Megatron)
     from megatron_ext.options import CONFIG_PREFIX, OPTION_NAMES
@@ -288,6 +294,23 @@ def test_patched_help_lists_flags_and_docstrings(patched, monkeypatch, capsys):
             ["--moe-hybridep-overflow-policy", "fail"],
             ["--moe-hybridep-overflow-policy fail", "--moe-hybridep-capacity-factor too"],
         ),
+        (
+            ["--moe-hybridep-transport", "process_group"],
+            ["--moe-hybridep-transport process_group", "--moe-hybridep-capacity-factor too"],
+        ),
+        (
+            [
+                "--moe-hybridep-transport",
+                "nvshmem",
+                "--moe-hybridep-capacity-factor",
+                "1.5",
+                "--moe-hybridep-implementation",
+                "deep_ep",
+                "--hidden-size",
+                "256",
+            ],
+            ["--moe-hybridep-transport nvshmem", "deep_ep's kernels move their own bytes", "implementation torch"],
+        ),
     ],
     ids=[
         "factor-below-1",
@@ -298,6 +321,8 @@ def test_patched_help_lists_flags_and_docstrings(patched, monkeypatch, capsys):
         "equal-and-pad-uneven",
         "verify-without-equal",
         "policy-without-factor",
+        "transport-without-factor",
+        "transport-with-deep_ep",
     ],
 )
 def test_patched_parse_args_refuses_invalid_combinations(patched, monkeypatch, capsys, extra, expected):

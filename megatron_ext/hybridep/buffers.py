@@ -32,9 +32,11 @@ def get_buffer(
     num_tokens: int,
     num_local_experts: int,
     reuse_allgather_buffer: bool,
+    transport: str = "auto",
 ) -> HybridEPBuffer:
     """The shared buffer for these arguments (`implementation`: one of `BUFFER_IMPLEMENTATIONS`,
-    'deep_ep' or 'torch', as `options.resolve_implementation` gives).
+    'deep_ep' or 'torch', as `options.resolve_implementation` gives; `transport`: the torch
+    buffer's, see `megatron_ext.hybridep.exchange`).
 
     deep_ep's persistent all-gather buffer asserts, at every dispatch, that each rank's routing map
     is a multiple of 16 bytes. A buffer built for T tokens serves any smaller count, so the check
@@ -55,14 +57,19 @@ def get_buffer(
                     reason,
                 )
             reuse_allgather_buffer = False
-    key = (implementation, group, num_local_experts, reuse_allgather_buffer)
+    key = (implementation, group, num_local_experts, reuse_allgather_buffer, transport)
     cached = _BUFFERS.get(key)
     if cached is not None and cached[1] == hidden_dim and cached[2] >= num_tokens:
         return cached[0]
     buffer: HybridEPBuffer
     if implementation == "torch":
         buffer = TorchHybridEPBuffer(
-            group, hidden_dim, num_tokens, num_local_experts, reuse_allgather_buffer=reuse_allgather_buffer
+            group,
+            hidden_dim,
+            num_tokens,
+            num_local_experts,
+            reuse_allgather_buffer=reuse_allgather_buffer,
+            transport=transport,
         )
     elif implementation == "deep_ep":
         from megatron_ext.hybridep.deep_ep_buffer import create_deep_ep_buffer

@@ -15,10 +15,10 @@ starts, with no barrier at either end; so every call that writes these buffers s
 `barrier()`, which on an NCCL group is a one-element all-reduce on the stream (no host wait): when
 it completes, every rank has finished the previous call's exchanges.
 
-`transport` (the buffer's argument): 'process_group' keeps the group's collectives; 'nvshmem'
-asks for this exchange and raises where it cannot be had; 'auto' takes it for an NCCL group of 2+
-ranks, one GPU each, where torch's NVSHMEM is available, and the collectives otherwise (logged,
-with the reason, once per group).
+`transport` (the buffer's argument, `--moe-hybridep-transport`): 'process_group' keeps the group's
+collectives; 'nvshmem' asks for this exchange and raises where it cannot be had; 'auto' takes it
+for an NCCL group of 2+ ranks on one node, one GPU each, where torch's NVSHMEM is available, and
+the collectives otherwise (logged, with the reason, once per group).
 """
 
 from __future__ import annotations
@@ -35,8 +35,6 @@ import torch.distributed as dist
 from megatron_ext.logs import once_per_group
 
 logger = logging.getLogger(__name__)
-
-TRANSPORTS = ("auto", "process_group", "nvshmem")
 
 
 class DeviceSplitsExchange(Protocol):
@@ -121,8 +119,9 @@ class NVSHMEMExchange:
         return sum(t.numel() * t.element_size() for held in self._held.values() for t in held)
 
 
-def nvshmem_unavailable(group: dist.ProcessGroup) -> Optional[str]:
-    """None where `NVSHMEMExchange` can serve `group` (ranks on GPUs), else why not."""
+def nvshmem_unavailable(group: dist.ProcessGroup, one_node: bool = False) -> Optional[str]:
+    """None where `NVSHMEMExchange` can serve `group` (ranks on GPUs; with `one_node`, all on this
+    host), else why not. Collective where torch's NVSHMEM is available (an object all-gather)."""
     if group.size() < 2:
         return "one rank exchanges nothing"
     if not torch.cuda.is_available():
@@ -139,11 +138,13 @@ def nvshmem_unavailable(group: dist.ProcessGroup) -> Optional[str]:
     dist.all_gather_object(places, here, group=group)
     if len(set(places)) < len(places) and not os.environ.get("CUDA_MPS_PIPE_DIRECTORY"):
         return "ranks share a GPU (NVSHMEM needs CUDA MPS for that)"
+    if one_node and len({host for host, _ in places}) > 1:
+        return "the group spans several nodes"
     return None
 
 
 def choose_exchange(group: dist.ProcessGroup, transport) -> Optional[DeviceSplitsExchange]:
-    """The exchange for `transport` (one of TRANSPORTS, or a `DeviceSplitsExchange` to use as is),
+    """The exchange for `transport` (one of `options.TRANSPORTS`, or a `DeviceSplitsExchange` to use as is),
     or None for the group's collectives. Called once per buffer, on every rank of `group`."""
     if not isinstance(transport, str):
         return transport
@@ -152,7 +153,7 @@ def choose_exchange(group: dist.ProcessGroup, transport) -> Optional[DeviceSplit
     if transport == "auto" and dist.get_backend(group) != "nccl":
         reason = f"the group's backend is {dist.get_backend(group)}, not nccl"
     else:
-        reason = nvshmem_unavailable(group)
+        reason = nvshmem_unavailable(group, one_node=transport == "auto")
     if reason is None:
         try:
             exchange = NVSHMEMExchange(group)

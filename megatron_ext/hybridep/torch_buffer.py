@@ -37,8 +37,9 @@ import torch.distributed as dist
 
 from megatron_ext import fused
 from megatron_ext.hybridep.allgather import RoutingMapGather
-from megatron_ext.hybridep.exchange import TRANSPORTS, DeviceSplitsExchange, choose_exchange
+from megatron_ext.hybridep.exchange import DeviceSplitsExchange, choose_exchange
 from megatron_ext.hybridep.layout import expert_layout, padded_counts, round_up
+from megatron_ext.options import TRANSPORTS
 
 SUPPORTED_HIDDEN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -267,6 +268,12 @@ class TorchHybridEPBuffer:
         return _traffic(*self._combine_traffic)
 
     @property
+    def non_blocking_transport(self) -> str:
+        """How non-blocking dispatches have moved tokens: 'process_group' (the all-gather; also
+        before the first), or the name of the exchange that sends exact rows ('nvshmem')."""
+        return "process_group" if self._splits_exchange is None else self._splits_exchange.name
+
+    @property
     def symmetric_memory_bytes(self) -> int:
         """Bytes of symmetric (NVSHMEM) buffers this buffer's exact non-blocking path holds."""
         return 0 if self._splits_exchange is None else self._splits_exchange.memory_bytes
@@ -489,8 +496,9 @@ class TorchHybridEPBuffer:
         num_tokens = routing_map.shape[0]
         global_map = self.routing_map_gather(routing_map)
         local_map = global_map[:, self.rank * L : (self.rank + 1) * L]
+        exact = non_blocking and self._device_splits_exchange(routing_map) is not None
         if fused.enabled_for(routing_map):
-            return self._plan_fused(routing_map, local_map, capacity, pad_multiple, non_blocking)
+            return self._plan_fused(routing_map, local_map, capacity, pad_multiple, non_blocking, exact)
 
         if non_blocking:
             # Receive slot g holds token g, so a row's code g * L + e indexes the probs directly.
@@ -534,12 +542,13 @@ class TorchHybridEPBuffer:
             send=(pairs[:, 1], pairs[:, 0], send_splits, recv_splits),
         )
 
-    def _plan_fused(self, routing_map, local_map, capacity, pad_multiple, non_blocking) -> HybridEPHandle:
-        """`_plan` where the fused kernels run: the layout and both row tables in two launches."""
+    def _plan_fused(self, routing_map, local_map, capacity, pad_multiple, non_blocking, exact) -> HybridEPHandle:
+        """`_plan` where the fused kernels run: the layout and both row tables in two launches
+        (`exact`: a non-blocking dispatch that sends exact rows through the device-splits exchange)."""
         W = self.world_size
         num_tokens = routing_map.shape[0]
         counts = fused.block_counts(local_map)
-        if non_blocking and self._device_splits_exchange(routing_map) is not None:
+        if exact:
             # Exact rows, their counts on the device: the blocking plan, with W x T receive slots
             # (the most there can be) instead of the count read on the host.
             plan = self._send_plan(routing_map, local_map)

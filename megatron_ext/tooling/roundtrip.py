@@ -30,7 +30,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from megatron_ext.options import capacity_factor_argument
+from megatron_ext.options import TRANSPORTS, capacity_factor_argument
 from megatron_ext.tooling.ranks import run_on_ranks, this_rank, under_torchrun
 
 
@@ -50,6 +50,12 @@ def _parse(argv=None):
         help="non-blocking capacity = ceil(rows x factor)",
     )
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+    p.add_argument(
+        "--transport",
+        choices=TRANSPORTS,
+        default="auto",
+        help="how the non-blocking dispatch moves tokens (--moe-hybridep-transport; default auto)",
+    )
     p.add_argument("--iters", type=int, default=5, help="timed dispatches per mode (default 5)")
     args = p.parse_args(argv)
     if not 1 <= args.topk <= args.experts:
@@ -206,7 +212,9 @@ def _run(rank: int, world_size: int, args) -> tuple[list[str], list[str]]:
     chosen = torch.rand(args.tokens, args.experts, generator=gen).topk(args.topk, dim=1).indices
     routing = torch.zeros(args.tokens, args.experts, dtype=torch.bool).scatter_(1, chosen, True).to(device)
     probs = (torch.rand(args.tokens, args.experts, generator=gen).to(device) * routing).float()
-    buf = TorchHybridEPBuffer(dist.group.WORLD, args.hidden, args.tokens, num_local, reuse_allgather_buffer=True)
+    buf = TorchHybridEPBuffer(
+        dist.group.WORLD, args.hidden, args.tokens, num_local, reuse_allgather_buffer=True, transport=args.transport
+    )
     pm = args.pad_multiple
 
     dispatch = _dispatcher(buf, x, routing, probs, pm)
@@ -253,6 +261,13 @@ def _run(rank: int, world_size: int, args) -> tuple[list[str], list[str]]:
         f"rank {rank}: bytes sent per dispatch (map + hidden + probs): blocking {blocking_traffic.total} "
         f"({blocking_traffic.routing_map} + {blocking_traffic.hidden} + {blocking_traffic.probs}), "
         f"non-blocking {nb_traffic.total} ({nb_traffic.routing_map} + {nb_traffic.hidden} + {nb_traffic.probs})",
+        f"rank {rank}: non-blocking transport: "
+        + (
+            f"exact rows through {buf.non_blocking_transport}, {buf.symmetric_memory_bytes / 2**20:.0f} MiB of "
+            "symmetric buffers"
+            if buf.non_blocking_transport != "process_group"
+            else "every token all-gathered on the group's collectives"
+        ),
         *bandwidth,
     ]
     return lines, failures

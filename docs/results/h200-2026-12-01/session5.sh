@@ -12,6 +12,12 @@
 #          size's every mode (the re-run modes too).
 #   bench: the large and mid sizes, every mode (the re-run modes too), and the round trip.
 #   last:  the NVSHMEM test again (fixed), the re-run checks, deep_ep's tests against the buffer and in layers.
+#   two-gpu: for two H200s (not lent this session): the tests across GPU ranks, the round trip at
+#          two ranks with each transport (GB/s against all_to_all_single), the large bench at EP 2.
+# What ran: call 1 `probe` (s5-call1-probe.log), call 2 `exact` (s5-call2-exact.log, s5-call2-large.json;
+# the NVSHMEM test failed in its reference, a test fault), call 3 `last` (s5-call3-last.log: the NVSHMEM
+# test without MPS's thread shares ended in NVSHMEM's limited-MPG exit; deep_ep's tests ran out of their
+# limit after 15 passed), call 4 the NVSHMEM test alone (s5-call4-nvshmem.log: 10 passed).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 CUDA_HOME=/usr/local/cuda PATH=/usr/local/cuda/bin:$PATH
 export HYBRID_EP_CACHE_DIR=/tmp/hybrid_ep_jit
@@ -87,5 +93,16 @@ case ${1:-} in
       tests 300 tests/test_gpu_deep_ep.py tests/test_gpu_deep_ep_layer.py
     } > "$OUT/last.log" 2>&1
     grep -hE "^=== |passed|failed|rror|FAIL" "$OUT/last.log" | head -60 ;;
-  *) echo "usage: $0 probe|exact|bench|last" >&2; exit 2 ;;
+  two-gpu)  # for the nvidia-h200-x2 kind (not lent this session, not run)
+    {
+      tests 200 tests/test_gpu_ranks.py
+      for transport in process_group nvshmem; do
+        echo "=== roundtrip, 2 ranks, transport $transport $(date -u +%H:%M:%S)"
+        timeout 120 torchrun --standalone --nproc-per-node 2 -m megatron_ext.tooling.roundtrip --backend nccl \
+          --iters 20 --tokens 8192 --hidden 4096 --experts 64 --topk 8 --transport $transport 2>&1 | grep -v Warning
+      done
+      bench ep2-large 300 $LARGE --check-steps 1 --steps 5 --repeat 3 --modes $ALL
+    } > "$OUT/two-gpu.log" 2>&1
+    grep -hE "^=== |passed|failed|GB/s|transport|on the GPU|^(megatron|blocking|capacity|deep_ep|mode )|OK|FAIL" "$OUT/two-gpu.log" ;;
+  *) echo "usage: $0 probe|exact|bench|last|two-gpu" >&2; exit 2 ;;
 esac
