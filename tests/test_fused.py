@@ -143,10 +143,14 @@ def _layout_reference(local_map, capacity, pad, slot_of_token):
         (4500, 64, 64, 0, 2, 16, 1.0),  # more token blocks than the kernel sums at once
     ],
 )
-@pytest.mark.parametrize("blocking", [False, True], ids=["all-slots", "received-slots"])
+@pytest.mark.parametrize(
+    "blocking, bounded", [(False, False), (True, False), (True, True)], ids=["all-slots", "received-slots", "bounded"]
+)
 def test_dispatch_layout_places_rows_as_the_loop_reference(
-    device, tokens, experts, local, offset, topk, pad, factor, blocking
+    device, tokens, experts, local, offset, topk, pad, factor, blocking, bounded
 ):
+    """`bounded`: received slots numbered within a bound of one slot per token (an exact
+    non-blocking dispatch's W x T), whose unused rows of the slot table must read -1."""
     gen = torch.Generator().manual_seed(tokens + experts + topk + blocking)
     chosen = torch.rand(tokens, experts, generator=gen).topk(topk, dim=1).indices
     gathered = torch.zeros(tokens, experts, dtype=torch.bool).scatter_(1, chosen, True)
@@ -155,6 +159,7 @@ def test_dispatch_layout_places_rows_as_the_loop_reference(
     if blocking:  # slots of the tokens that have a local expert, in ascending order
         received = local_map.any(dim=1)
         slot_of_token, num_slots = torch.cumsum(received, dim=0) - 1, int(received.sum())
+        num_slots = tokens if bounded else num_slots
     else:
         slot_of_token, num_slots = torch.arange(tokens), tokens
     total = sum(-(-int(c) // (pad or 1)) * (pad or 1) for c in local_map.sum(dim=0))
@@ -169,6 +174,7 @@ def test_dispatch_layout_places_rows_as_the_loop_reference(
         pad,
         num_slots,
         slot_of_token.to(device) if blocking else None,
+        spare_slots=bounded,
     )
     filled = len(slots)
     expected_slot = [num_slots if s is None else s for s in slots] + [num_slots] * (capacity - filled)
@@ -210,6 +216,31 @@ def test_sum_rows_per_slot_adds_in_table_order_in_float32(device, slots, experts
     assert torch.equal(out.cpu(), expected)
     low = fused.sum_rows_per_slot(rows.to(device), table.to(device), torch.bfloat16)
     torch.testing.assert_close(low.cpu().float(), expected, rtol=2**-7, atol=1e-6)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gather_rows_and_sum_rows_per_slot_write_into_a_given_buffer(device):
+    """`out=`: the exact transport's send buffers, larger than one call's rows; the rows past those
+    the call writes keep what they held."""
+    gen = torch.Generator().manual_seed(5)
+    src = torch.randn(20, 24, generator=gen).to(device=device, dtype=torch.bfloat16)
+    index = torch.randint(0, 20, (12,), generator=gen).to(device)
+    out = torch.full((30, 24), 7.0, dtype=torch.bfloat16, device=device)
+    assert fused.gather_rows(src, index, _count(9, device), out=out) is out
+    assert torch.equal(out[:9], src[index[:9]])
+    assert bool((out[9:] == 7.0).all()), "rows past n were written"
+
+    table = torch.tensor([[0, -1], [3, 5], [-1, -1]], dtype=torch.int32, device=device)
+    sums = torch.full((8, 24), 7.0, dtype=torch.float32, device=device)
+    assert fused.sum_rows_per_slot(src, table, torch.float32, out=sums) is sums
+    expected = torch.stack([src[0].float(), src[3].float() + src[5].float(), torch.zeros(24, device=device)])
+    assert torch.equal(sums[:3], expected)
+    assert bool((sums[3:] == 7.0).all()), "rows past the table were written"
+
+    with pytest.raises(ValueError, match=r"`out` must be a contiguous \[>= 12, 24\] torch.bfloat16 tensor"):
+        fused.gather_rows(src, index, _count(9, device), out=out.float())
+    with pytest.raises(ValueError, match=r"`out` must be a contiguous \[>= 3, 24\] torch.float32 tensor"):
+        fused.sum_rows_per_slot(src, table, torch.float32, out=sums[:2])
 
 
 def test_count_must_be_a_one_element_integer_tensor_on_the_device():

@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from megatron_ext import fused
 from tests.distributed import assert_ok, results_fixture
 from tests.megatron_env import FLEX, copy_weights, make_config, moe_layer, run_megatron_checks, run_steps, step_inputs
 
@@ -203,6 +204,35 @@ def _recompute_same_gradients(rank, world, recompute):
     assert stats.blocking_dispatches == 2 and stats.non_blocking_dispatches == 2 * (len(inputs) - 1), stats
 
 
+def exact_transport_equals_blocking(rank, world):
+    """--moe-hybridep-transport nvshmem in a Megatron MoE layer, its exchange stood in on CPU ranks
+    (`tests.device_splits.SlabExchange`): capacity mode sends exact rows with no host read, bitwise
+    equal to blocking, through MoE recompute too."""
+    import megatron_ext.hybridep.torch_buffer as torch_buffer
+    from megatron_ext.tooling.sync import forbid_host_sync
+    from tests.device_splits import SlabExchange
+
+    chosen = torch_buffer.choose_exchange
+    torch_buffer.choose_exchange = lambda group, transport: SlabExchange(group)
+    try:
+        inputs = step_inputs(rank, 3, 32, HIDDEN, seed=13)
+        exact = dict(**FLEX, moe_hybridep_capacity_factor=1.5, moe_hybridep_transport="nvshmem")
+        recompute = dict(recompute_granularity="selective", recompute_modules=["moe"])
+        blocking = moe_layer(make_config(world, **FLEX), experts="grouped")
+        layer = moe_layer(make_config(world, **exact, **recompute), experts="grouped", seed=7)
+        copy_weights(blocking, layer)
+        expected = run_steps(blocking, inputs)
+        actual = run_steps(layer, inputs[:1])
+        with forbid_host_sync():
+            actual += run_steps(layer, inputs[1:])
+    finally:
+        torch_buffer.choose_exchange = chosen
+    _assert_same(expected, actual)
+    buffer = _manager(layer).last_buffer
+    assert buffer.non_blocking_transport == "slabs", buffer.non_blocking_transport
+    assert _manager(layer).stats.non_blocking_dispatches == 2 * (len(inputs) - 1)  # forwards and their replays
+
+
 def moe_recompute_same_gradients(rank, world):
     _recompute_same_gradients(rank, world, "moe")
 
@@ -312,6 +342,7 @@ CHECKS = (
     moe_recompute_same_gradients,
     full_recompute_same_gradients,
     moe_act_recompute_kept_in_capacity_mode,
+    exact_transport_equals_blocking,
     reuse_allgather_buffer,
     deep_ep_buffer_through_the_same_path,
     tensor_and_expert_parallel,
@@ -319,11 +350,15 @@ CHECKS = (
 
 
 FOUR_RANKS_ONLY = {tensor_and_expert_parallel.__name__}
+# The exact path runs where the fused kernels do (on CPU: under Triton's interpreter) and 2+ ranks.
+FUSED_AND_RANKS_ONLY = {exact_transport_equals_blocking.__name__}
 
 
 def _worker(rank, world_size, out_dir, names=None):
     """Run the checks named (default: all) on this rank and save their outcomes."""
     wanted = [c for c in CHECKS if (names is None or c.__name__ in names)]
+    fused_ranks = world_size > 1 and fused.enabled_for(torch.empty(0))
+    wanted = [c for c in wanted if c.__name__ not in FUSED_AND_RANKS_ONLY or fused_ranks]
     run_megatron_checks(
         rank, world_size, out_dir, [c for c in wanted if c.__name__ not in FOUR_RANKS_ONLY or world_size == 4]
     )
@@ -337,4 +372,8 @@ def test_moe_layer(results, check):
     world_size, outcomes = results
     if check in FOUR_RANKS_ONLY and world_size != 4:
         pytest.skip("needs 4 ranks")
+    if check in FUSED_AND_RANKS_ONLY and (world_size == 1 or not fused.enabled_for(torch.empty(0))):
+        pytest.skip(
+            "needs 2+ ranks and the fused kernels (tests/test_interpreter.py runs it under Triton's interpreter)"
+        )
     assert_ok(outcomes, check)

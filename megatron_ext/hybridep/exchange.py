@@ -119,11 +119,8 @@ class NVSHMEMExchange:
         return sum(t.numel() * t.element_size() for held in self._held.values() for t in held)
 
 
-def nvshmem_unavailable(group: dist.ProcessGroup, one_node: bool = False) -> Optional[str]:
-    """None where `NVSHMEMExchange` can serve `group` (ranks on GPUs; with `one_node`, all on this
-    host), else why not. Collective where torch's NVSHMEM is available (an object all-gather)."""
-    if group.size() < 2:
-        return "one rank exchanges nothing"
+def _local_reason() -> Optional[str]:
+    """Why this process cannot run `NVSHMEMExchange`, from what it sees alone, or None."""
     if not torch.cuda.is_available():
         return "no CUDA GPU"
     try:
@@ -132,33 +129,69 @@ def nvshmem_unavailable(group: dist.ProcessGroup, one_node: bool = False) -> Opt
         return f"torch has no symmetric memory ({error})"
     if not hasattr(torch.ops.symm_mem, "all_to_all_vdev") or not symm_mem.is_nvshmem_available():
         return f"torch {torch.__version__} has no NVSHMEM all_to_all_vdev"
+    return None
+
+
+def _first(reasons: list) -> Optional[str]:
+    """The first rank's reason among every rank's, named by rank, or None when there is none."""
+    for rank, reason in enumerate(reasons):
+        if reason is not None:
+            return reason if len(reasons) == 1 else f"rank {rank}: {reason}"
+    return None
+
+
+def nvshmem_unavailable(group: dist.ProcessGroup, one_node: bool = False) -> Optional[str]:
+    """None where `NVSHMEMExchange` can serve `group` (every rank on a GPU of its own, or sharing one
+    under CUDA MPS; with `one_node`, all on one host), else why not. Collective: one object
+    all-gather, so every rank reaches the same verdict."""
+    if group.size() < 2:
+        return "one rank exchanges nothing"
+    local = _local_reason()
+    place = (socket.gethostname(), torch.cuda.current_device() if local is None else -1)
+    seen: list = [None] * group.size()
+    dist.all_gather_object(seen, (local, place, bool(os.environ.get("CUDA_MPS_PIPE_DIRECTORY"))), group=group)
+    reason = _first([r for r, _, _ in seen])
+    if reason is not None:
+        return reason
+    places = [p for _, p, _ in seen]
     # NVSHMEM ends the process when two ranks share a GPU without CUDA MPS ("limited MPG").
-    here = (socket.gethostname(), torch.cuda.current_device())
-    places: list = [None] * group.size()
-    dist.all_gather_object(places, here, group=group)
-    if len(set(places)) < len(places) and not os.environ.get("CUDA_MPS_PIPE_DIRECTORY"):
+    if len(set(places)) < len(places) and not all(mps for _, _, mps in seen):
         return "ranks share a GPU (NVSHMEM needs CUDA MPS for that)"
     if one_node and len({host for host, _ in places}) > 1:
         return "the group spans several nodes"
     return None
 
 
+def _start(group: dist.ProcessGroup) -> tuple[Optional[NVSHMEMExchange], Optional[str]]:
+    """`NVSHMEMExchange(group)` with one symmetric allocation made, or why not: the same verdict
+    on every rank (collective)."""
+    exchange, error = None, None
+    try:
+        exchange = NVSHMEMExchange(group)
+        exchange.buffers("start", 1, 1, torch.int64, torch.device("cuda", torch.cuda.current_device()))
+    except Exception as failure:  # noqa: BLE001 - any failure to set NVSHMEM up falls back or is named
+        error = f"NVSHMEM did not start: {type(failure).__name__}: {failure}"
+    errors: list = [None] * group.size()
+    dist.all_gather_object(errors, error, group=group)
+    reason = _first(errors)
+    return (None, reason) if reason is not None else (exchange, None)
+
+
 def choose_exchange(group: dist.ProcessGroup, transport) -> Optional[DeviceSplitsExchange]:
-    """The exchange for `transport` (one of `options.TRANSPORTS`, or a `DeviceSplitsExchange` to use as is),
-    or None for the group's collectives. Called once per buffer, on every rank of `group`."""
+    """The exchange for `transport` (one of `options.TRANSPORTS`, or a `DeviceSplitsExchange` to use
+    as is), or None for the group's collectives. Collective: called once per buffer, on every rank
+    of `group`, which all reach the same choice."""
     if not isinstance(transport, str):
         return transport
     if transport == "process_group" or group.size() < 2:
         return None
+    exchange = None
     if transport == "auto" and dist.get_backend(group) != "nccl":
         reason = f"the group's backend is {dist.get_backend(group)}, not nccl"
     else:
         reason = nvshmem_unavailable(group, one_node=transport == "auto")
     if reason is None:
-        try:
-            exchange = NVSHMEMExchange(group)
-        except Exception as error:  # noqa: BLE001 - any failure to set NVSHMEM up falls back or is named
-            reason = f"NVSHMEM did not start: {type(error).__name__}: {error}"
+        exchange, reason = _start(group)
     if reason is not None:
         if transport == "nvshmem":
             raise RuntimeError(

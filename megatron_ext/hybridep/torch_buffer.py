@@ -10,10 +10,12 @@ How tokens move (W ranks, T tokens per rank, rank r owns experts [r * L, (r + 1)
 * Blocking (`num_permuted_tokens=None`): one host read of a few counts, then an exact
   all-to-all: each token travels once to each rank that owns one of its experts, with the
   float32 probs of that rank's experts beside it.
-* Non-blocking (`num_permuted_tokens=capacity`): no count reaches the host, so every collective has a
-  shape the host already knows: hidden states are all-gathered (W x T rows received per rank
-  instead of the exact T x k_r, k_r the mean number of ranks a token goes to) and the probs of
-  each rank's own experts travel in equal all-to-all slabs (W x T x L floats per rank). The
+* Non-blocking (`num_permuted_tokens=capacity`): no count reaches the host. On the group's
+  collectives every collective then needs a shape the host already knows: hidden states are
+  all-gathered (W x T rows received per rank instead of the exact T x k_r, k_r the mean number of
+  ranks a token goes to) and the probs of each rank's own experts travel in equal all-to-all slabs
+  (W x T x L floats per rank). Through an exchange that takes its counts on the device (NVSHMEM,
+  `exchange.py`; the `transport` argument) the blocking plan runs instead, exact rows and all. The
   output has `capacity` rows; experts past them are truncated last expert first and flagged in
   the handle.
 * Combine reduces each token's rows on the expert's rank first (float32, in expert order),
@@ -71,7 +73,7 @@ class HybridEPHandle(NamedTuple):
     send_counts: Optional[torch.Tensor]  # exact non-blocking only: [W] int64 rows sent to each rank, on the device
     recv_counts: Optional[
         torch.Tensor
-    ]  # exact non-blocking only: [W] int64 rows received from each rank (the exchange writes it)
+    ]  # exact non-blocking only: [W] int64 rows received from each rank, on the device
 
 
 def _handle(
