@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 class SlabExchange:
     name = "slabs"
+    row_alignment = 1
 
     def __init__(self, group: dist.ProcessGroup):
         self.group = group
@@ -63,6 +64,7 @@ class CountingExchange:
     def __init__(self, inner):
         self.inner = inner
         self.name = inner.name
+        self.row_alignment = inner.row_alignment
         self.barriers = 0
         self.exchanges = 0
 

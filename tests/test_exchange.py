@@ -28,15 +28,36 @@ def _on_two_cpu_ranks(rank, world_size):
     logging.getLogger("megatron_ext").addHandler(handler)
     logging.getLogger("megatron_ext").setLevel(logging.INFO)
 
-    assert choose_exchange(group, "process_group") is None
-    assert choose_exchange(group, "auto") is None
+    assert choose_exchange(group, "process_group", 64) is None
+    assert choose_exchange(group, "auto", 64) is None
     said = [r.getMessage() for r in records]
     if rank == 0:  # the line is said once per group, by its first rank
         assert any("all-gather tokens" in s and "backend is gloo, not nccl" in s for s in said), said
     with pytest.raises(RuntimeError, match=r"transport=.nvshmem. cannot serve this group: rank 0: no CUDA GPU"):
-        choose_exchange(group, "nvshmem")
+        choose_exchange(group, "nvshmem", 64)
+    with pytest.raises(
+        RuntimeError, match=r"hidden rows of 48 bytes: NVSHMEM's all_to_all_vdev needs a multiple of 32"
+    ):
+        choose_exchange(group, "nvshmem", 48)
     given = SlabExchange(group)
-    assert choose_exchange(group, given) is given
+    assert choose_exchange(group, given, 48) is given
+
+    # A later dispatch whose rows do not suit the exchange chosen is refused by name.
+    class Aligned(SlabExchange):
+        row_alignment = 32
+
+    import megatron_ext.fused as fused
+
+    enabled_for, fused.enabled_for = fused.enabled_for, lambda t: True  # as where the kernels run
+    try:
+        aligned = TorchHybridEPBuffer(group, 16, 4, 2, transport=Aligned(group))
+        assert isinstance(aligned._device_splits_exchange(torch.zeros(1), 64), Aligned)
+        with pytest.raises(
+            ValueError, match=r"`hidden` must be rows of a multiple of 32 bytes .*; got rows of 48 bytes"
+        ):
+            aligned._device_splits_exchange(torch.zeros(1), 48)
+    finally:
+        fused.enabled_for = enabled_for
 
     # A buffer asked for NVSHMEM with CPU tensors says so at its first non-blocking dispatch.
     buf = TorchHybridEPBuffer(group, 8, 4, 2, transport="nvshmem")
@@ -55,7 +76,7 @@ def test_the_choice_on_cpu_ranks():
 
 def test_one_rank_exchanges_nothing(gloo_group):
     for transport in ("auto", "process_group", "nvshmem"):
-        assert choose_exchange(gloo_group, transport) is None
+        assert choose_exchange(gloo_group, transport, 64) is None
 
 
 def test_a_transport_that_is_not_one_is_refused(gloo_group):

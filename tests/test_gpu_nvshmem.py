@@ -31,7 +31,7 @@ def _nvshmem_exchange(group):
     from megatron_ext.hybridep.exchange import choose_exchange
     from tests.device_splits import CountingExchange
 
-    return CountingExchange(choose_exchange(group, "nvshmem"))
+    return CountingExchange(choose_exchange(group, "nvshmem", row_bytes=64))  # the cases' rows: 32 or 64 bytes
 
 
 def _worker(rank, world_size, out_dir):

@@ -46,6 +46,7 @@ class DeviceSplitsExchange(Protocol):
     """
 
     name: str
+    row_alignment: int  # the bytes of a row must be a multiple of this
 
     def barrier(self) -> None: ...
 
@@ -63,6 +64,10 @@ class NVSHMEMExchange:
     """`DeviceSplitsExchange` on torch's symmetric memory (NVSHMEM's all_to_all_vdev)."""
 
     name = "nvshmem"
+    # torch's all_to_all_vdev splits the bytes it takes from each peer evenly over up to 64 / W
+    # thread blocks (32 at two ranks) and asserts on the device that they divide: rows whose bytes
+    # are a multiple of 32 always do.
+    row_alignment = 32
 
     def __init__(self, group: dist.ProcessGroup):
         import torch.distributed._symmetric_memory as symm_mem
@@ -177,10 +182,10 @@ def _start(group: dist.ProcessGroup) -> tuple[Optional[NVSHMEMExchange], Optiona
     return (None, reason) if reason is not None else (exchange, None)
 
 
-def choose_exchange(group: dist.ProcessGroup, transport) -> Optional[DeviceSplitsExchange]:
+def choose_exchange(group: dist.ProcessGroup, transport, row_bytes: int) -> Optional[DeviceSplitsExchange]:
     """The exchange for `transport` (one of `options.TRANSPORTS`, or a `DeviceSplitsExchange` to use
-    as is), or None for the group's collectives. Collective: called once per buffer, on every rank
-    of `group`, which all reach the same choice."""
+    as is) and hidden rows of `row_bytes`, or None for the group's collectives. Collective: called
+    once per buffer, on every rank of `group`, which all reach the same choice."""
     if not isinstance(transport, str):
         return transport
     if transport == "process_group" or group.size() < 2:
@@ -188,6 +193,11 @@ def choose_exchange(group: dist.ProcessGroup, transport) -> Optional[DeviceSplit
     exchange = None
     if transport == "auto" and dist.get_backend(group) != "nccl":
         reason = f"the group's backend is {dist.get_backend(group)}, not nccl"
+    elif row_bytes % NVSHMEMExchange.row_alignment:
+        reason = (
+            f"hidden rows of {row_bytes} bytes: NVSHMEM's all_to_all_vdev needs a multiple of "
+            f"{NVSHMEMExchange.row_alignment}"
+        )
     else:
         reason = nvshmem_unavailable(group, one_node=transport == "auto")
     if reason is None:

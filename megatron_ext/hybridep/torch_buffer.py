@@ -156,6 +156,12 @@ def _describe(t: Optional[torch.Tensor]) -> str:
     return "None" if t is None else f"{t.dtype} tensor of shape {tuple(t.shape)}"
 
 
+def _probs_width(num_local: int) -> int:
+    """Floats per row of an exact exchange's probs: L, rounded up to whole 32-byte rows (what
+    NVSHMEM's all-to-all needs, `exchange.NVSHMEMExchange.row_alignment`)."""
+    return -(-num_local // 8) * 8
+
+
 def _probs_per_slot(probs: torch.Tensor, handle: HybridEPHandle, num_local: int) -> torch.Tensor:
     """`[num_slots, L]` float32: each row's value at its (slot, expert); zero where no row is."""
     table = torch.zeros(handle.num_slots + 1, num_local, dtype=torch.float32, device=probs.device)
@@ -280,9 +286,10 @@ class TorchHybridEPBuffer:
         """Bytes of symmetric (NVSHMEM) buffers this buffer's exact non-blocking path holds."""
         return 0 if self._splits_exchange is None else self._splits_exchange.memory_bytes
 
-    def _device_splits_exchange(self, t: torch.Tensor) -> Optional[DeviceSplitsExchange]:
-        """The exchange a non-blocking dispatch of tensors like `t` sends exact rows through, or
-        None (the all-gather). Chosen at the first such dispatch (collective: every rank's first)."""
+    def _device_splits_exchange(self, t: torch.Tensor, row_bytes: int) -> Optional[DeviceSplitsExchange]:
+        """The exchange a non-blocking dispatch of tensors like `t`, hidden rows of `row_bytes`,
+        sends exact rows through, or None (the all-gather). Chosen at the first such dispatch
+        (collective: every rank's first); a later dispatch's rows must suit it too."""
         if self.world_size == 1 or not fused.enabled_for(t):
             _check(
                 self._transport != "nvshmem" or self.world_size == 1,
@@ -292,9 +299,19 @@ class TorchHybridEPBuffer:
             )
             return None
         if not self._exchange_chosen:
-            self._splits_exchange = choose_exchange(self.group, self._transport)
+            self._splits_exchange = choose_exchange(self.group, self._transport, row_bytes)
             self._exchange_chosen = True
-        return self._splits_exchange
+        exchange = self._splits_exchange
+        if exchange is not None:
+            alignment = getattr(exchange, "row_alignment", 1)
+            _check(
+                row_bytes % alignment == 0,
+                "hidden",
+                f"rows of a multiple of {alignment} bytes for the {exchange.name} transport chosen at this "
+                "buffer's first non-blocking dispatch",
+                f"rows of {row_bytes} bytes",
+            )
+        return exchange
 
     # ------------------------------------------------------------------ dispatch
 
@@ -349,7 +366,8 @@ class TorchHybridEPBuffer:
                 hidden, routing_map, probs, topk_idx, topk_weights, num_of_experts, num_of_experts_per_rank
             )
             capacity = self._check_capacity(num_permuted_tokens, pad_multiple, non_blocking)
-            handle = self._plan(routing_map, capacity, pad_multiple, non_blocking)
+            row_bytes = hidden.shape[1] * hidden.element_size()
+            handle = self._plan(routing_map, capacity, pad_multiple, non_blocking, row_bytes)
             map_bytes = (self.world_size - 1) * routing_map.numel()
         else:
             self._check_handle(handle, "handle")
@@ -492,13 +510,13 @@ class TorchHybridEPBuffer:
             )
         return num_permuted_tokens
 
-    def _plan(self, routing_map, capacity, pad_multiple, non_blocking) -> HybridEPHandle:
+    def _plan(self, routing_map, capacity, pad_multiple, non_blocking, row_bytes) -> HybridEPHandle:
         """Gather the routing maps and compute this rank's layout and send plan."""
         W, L = self.world_size, self.num_local_experts
         num_tokens = routing_map.shape[0]
         global_map = self.routing_map_gather(routing_map)
         local_map = global_map[:, self.rank * L : (self.rank + 1) * L]
-        exact = non_blocking and self._device_splits_exchange(routing_map) is not None
+        exact = non_blocking and self._device_splits_exchange(routing_map, row_bytes) is not None
         if fused.enabled_for(routing_map):
             return self._plan_fused(routing_map, local_map, capacity, pad_multiple, non_blocking, exact)
 
@@ -674,12 +692,12 @@ class TorchHybridEPBuffer:
         rows = fused.gather_rows(recv[:slots], handle.row_slot, handle.real_rows)
         row_probs = None
         if probs is not None:
-            send_probs, recv_probs = exchange.buffers("probs", slots, L, torch.float32, hidden.device)
+            send_probs, recv_probs = exchange.buffers("probs", slots, _probs_width(L), torch.float32, hidden.device)
             # Row (token t, rank w) of the [T * W, L] view holds t's probs for w's experts.
             picked = handle.send_token.clamp(min=0) * W + handle.send_dest.clamp(min=0)
-            torch.index_select(probs.view(T * W, L), 0, picked, out=send_probs[:slots])
+            send_probs[:slots, :L] = probs.view(T * W, L)[picked]
             exchange.exchange("probs", handle.send_counts)
-            row_probs = fused.gather_values(recv_probs[:slots], handle.row_prob_index)
+            row_probs = fused.gather_values(recv_probs[:slots, :L], handle.row_prob_index)
         return rows, row_probs, handle.send_counts.sum() - handle.send_counts[self.rank]
 
     # ------------------------------------------------------------------ combine
@@ -782,11 +800,11 @@ class TorchHybridEPBuffer:
         tokens = fused.sum_rows_per_slot(recv[:slots], handle.token_rows, hidden.dtype)
         token_probs = None
         if probs is not None:
-            send_probs, recv_probs = exchange.buffers("probs", slots, L, torch.float32, hidden.device)
-            send_probs[:slots].copy_(_probs_per_slot(probs, handle, L))
+            send_probs, recv_probs = exchange.buffers("probs", slots, _probs_width(L), torch.float32, hidden.device)
+            send_probs[:slots, :L] = _probs_per_slot(probs, handle, L)
             exchange.exchange("probs", handle.recv_counts)
             returned = handle.token_rows.long()  # [T, W]: row of (token, rank) in send order, or -1
-            picked = recv_probs[:slots][returned.clamp(min=0)]  # [T, W, L]
+            picked = recv_probs[:slots, :L][returned.clamp(min=0)]  # [T, W, L]
             token_probs = torch.where((returned >= 0).unsqueeze(2), picked, 0.0).view(T, W * L)
         return tokens, token_probs, handle.recv_counts.sum() - handle.recv_counts[self.rank]
 
