@@ -116,6 +116,13 @@ def _handle(
     )
 
 
+def _fused_handle(layout: fused.Layout, **parts) -> HybridEPHandle:
+    """`_handle` of a layout the fused kernels made (`fused.dispatch_layout`)."""
+    return _handle(
+        (layout.row_slot, layout.row_code), (layout.overflow, layout.tokens_per_expert, layout.real_rows), **parts
+    )
+
+
 class _SendPlan(NamedTuple):
     """A dispatch's exact send plan, made on the device (`TorchHybridEPBuffer._send_plan`)."""
 
@@ -575,9 +582,8 @@ class TorchHybridEPBuffer:
             layout = fused.dispatch_layout(
                 local_map, counts, capacity, pad_multiple, W * num_tokens, plan.slot_of_token, spare_slots=True
             )
-            return _handle(
-                (layout.row_slot, layout.row_code),
-                (layout.overflow, layout.tokens_per_expert, layout.real_rows),
+            return _fused_handle(
+                layout,
                 num_slots=W * num_tokens,
                 num_tokens=num_tokens,
                 capacity=capacity,
@@ -588,9 +594,8 @@ class TorchHybridEPBuffer:
             )
         if non_blocking:
             layout = fused.dispatch_layout(local_map, counts, capacity, pad_multiple, W * num_tokens)
-            return _handle(
-                (layout.row_slot, layout.row_code),
-                (layout.overflow, layout.tokens_per_expert, layout.real_rows),
+            return _fused_handle(
+                layout,
                 num_slots=W * num_tokens,
                 num_tokens=num_tokens,
                 capacity=capacity,
@@ -608,9 +613,8 @@ class TorchHybridEPBuffer:
             capacity = host[2 * W]
         num_slots, num_sent = sum(recv_splits), sum(send_splits)
         layout = fused.dispatch_layout(local_map, counts, capacity, pad_multiple, num_slots, plan.slot_of_token)
-        return _handle(
-            (layout.row_slot, layout.row_code),
-            (layout.overflow, layout.tokens_per_expert, layout.real_rows),
+        return _fused_handle(
+            layout,
             num_slots=num_slots,
             num_tokens=num_tokens,
             capacity=capacity,
