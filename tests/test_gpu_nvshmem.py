@@ -4,7 +4,7 @@ NVSHMEM runs two ranks on one GPU only under CUDA MPS (without it, it ends the p
 MPG"), and NCCL refuses two ranks on one GPU, so this test starts a private MPS daemon and runs the
 buffer checks of `tests/test_torch_buffer.py` on two gloo ranks whose tensors are on GPU 0, with
 `transport=NVSHMEMExchange`: rows, probs, counts, combine and both gradients bitwise equal to the
-blocking dispatch, the truncated tail equal to the all-gather path's, the bytes equal to blocking's.
+blocking dispatch, the truncated tail equal to the all-gather path's, the hidden bytes equal to blocking's.
 A gloo group's collectives on CUDA tensors wait on the host, so the host-sync guard is off here; the
 path's freedom from host reads is checked on CPU ranks (`test_torch_buffer.py` under Triton's
 interpreter). Run this file in a pytest process of its own: nothing here touches CUDA in the parent.

@@ -169,6 +169,11 @@ def _probs_width(num_local: int) -> int:
     return -(-num_local // 8) * 8
 
 
+def _probs_row_bytes(handle: HybridEPHandle, num_local: int) -> int:
+    """Bytes of probs one row carries on the wire: L floats, padded on the exact path."""
+    return 4 * (_probs_width(num_local) if handle.send_counts is not None else num_local)
+
+
 def _probs_per_slot(probs: torch.Tensor, handle: HybridEPHandle, num_local: int) -> torch.Tensor:
     """`[num_slots, L]` float32: each row's value at its (slot, expert); zero where no row is."""
     table = torch.zeros(handle.num_slots + 1, num_local, dtype=torch.float32, device=probs.device)
@@ -399,7 +404,7 @@ class TorchHybridEPBuffer:
             map_bytes,
             rows_elsewhere,
             row_bytes,
-            0 if probs is None else self.num_local_experts * 4,
+            0 if probs is None else _probs_row_bytes(handle, self.num_local_experts),
         )
         return rows, row_probs, None, handle.tokens_per_expert, handle
 
@@ -754,7 +759,12 @@ class TorchHybridEPBuffer:
         fused_kernels = handle.slot_rows is not None
         if handle.send_counts is not None:
             tokens, token_probs, rows_elsewhere = self._combine_exact_rows(hidden, probs, handle)
-            self._combine_traffic = (0, rows_elsewhere, width * elt, 0 if probs is None else L * 4)
+            self._combine_traffic = (
+                0,
+                rows_elsewhere,
+                width * elt,
+                0 if probs is None else _probs_row_bytes(handle, L),
+            )
             return tokens, token_probs
         if fused_kernels:
             partial = fused.sum_rows_per_slot(hidden, handle.slot_rows, hidden.dtype)
