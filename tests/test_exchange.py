@@ -47,19 +47,29 @@ def _on_two_cpu_ranks(rank, world_size):
         row_alignment = 32
 
     import megatron_ext.fused as fused
+    import megatron_ext.hybridep.torch_buffer as torch_buffer
 
     enabled_for, fused.enabled_for = fused.enabled_for, lambda t: True  # as where the kernels run
+    chosen = []
+    choose = torch_buffer.choose_exchange
+    torch_buffer.choose_exchange = lambda *args: chosen.append(args) or choose(*args)
     try:
         aligned = TorchHybridEPBuffer(group, 16, 4, 2, transport=Aligned(group))
-        assert isinstance(aligned._device_splits_exchange(torch.zeros(1), 64), Aligned)
+        # The choice (a collective with a host read) is made at the first dispatch, blocking or not:
+        # a layer's first is its blocking calibration, so no non-blocking step pays for it.
+        assert aligned._device_splits_exchange(torch.zeros(1), 64, non_blocking=False) is None
+        assert len(chosen) == 1
+        assert isinstance(aligned._device_splits_exchange(torch.zeros(1), 64, non_blocking=True), Aligned)
+        assert len(chosen) == 1
         with pytest.raises(
             ValueError, match=r"`hidden` must be rows of a multiple of 32 bytes .*; got rows of 48 bytes"
         ):
-            aligned._device_splits_exchange(torch.zeros(1), 48)
+            aligned._device_splits_exchange(torch.zeros(1), 48, non_blocking=True)
     finally:
         fused.enabled_for = enabled_for
+        torch_buffer.choose_exchange = choose
 
-    # A buffer asked for NVSHMEM with CPU tensors says so at its first non-blocking dispatch.
+    # A buffer asked for NVSHMEM with CPU tensors says so at its first dispatch.
     buf = TorchHybridEPBuffer(group, 8, 4, 2, transport="nvshmem")
     routing = torch.zeros(4, 2 * world_size, dtype=torch.bool)
     routing[:, 0] = True

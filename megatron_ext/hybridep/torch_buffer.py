@@ -298,10 +298,14 @@ class TorchHybridEPBuffer:
         """Bytes of symmetric (NVSHMEM) buffers this buffer's exact non-blocking path holds."""
         return 0 if self._splits_exchange is None else self._splits_exchange.memory_bytes
 
-    def _device_splits_exchange(self, t: torch.Tensor, row_bytes: int) -> Optional[DeviceSplitsExchange]:
+    def _device_splits_exchange(
+        self, t: torch.Tensor, row_bytes: int, non_blocking: bool
+    ) -> Optional[DeviceSplitsExchange]:
         """The exchange a non-blocking dispatch of tensors like `t`, hidden rows of `row_bytes`,
-        sends exact rows through, or None (the all-gather). Chosen at the first such dispatch
-        (collective: every rank's first); a later dispatch's rows must suit it too."""
+        sends exact rows through, or None (the all-gather; and for a blocking dispatch). Chosen at
+        the buffer's first dispatch of either kind, a collective with a host read: a layer's first
+        dispatch is its blocking calibration, so no non-blocking step pays for it. A later
+        dispatch's rows must suit the exchange chosen."""
         if self.world_size == 1 or not fused.enabled_for(t):
             _check(
                 self._transport != "nvshmem" or self.world_size == 1,
@@ -313,7 +317,7 @@ class TorchHybridEPBuffer:
         if not self._exchange_chosen:
             self._splits_exchange = choose_exchange(self.group, self._transport, row_bytes)
             self._exchange_chosen = True
-        exchange = self._splits_exchange
+        exchange = self._splits_exchange if non_blocking else None
         if exchange is not None:
             alignment = getattr(exchange, "row_alignment", 1)
             _check(
@@ -528,7 +532,7 @@ class TorchHybridEPBuffer:
         num_tokens = routing_map.shape[0]
         global_map = self.routing_map_gather(routing_map)
         local_map = global_map[:, self.rank * L : (self.rank + 1) * L]
-        exact = non_blocking and self._device_splits_exchange(routing_map, row_bytes) is not None
+        exact = self._device_splits_exchange(routing_map, row_bytes, non_blocking) is not None
         if fused.enabled_for(routing_map):
             return self._plan_fused(routing_map, local_map, capacity, pad_multiple, non_blocking, exact)
 
