@@ -18,6 +18,7 @@ from tests.megatron_env import FLEX, copy_weights, make_config, moe_layer, run_m
 
 WORLD_SIZES = (1, 2, 4)
 HIDDEN = 16
+DEEP_EP_HIDDEN = 128
 
 
 def _manager(layer):
@@ -213,7 +214,7 @@ def exact_transport_equals_blocking(rank, world):
     from tests.device_splits import SlabExchange
 
     chosen = torch_buffer.choose_exchange
-    torch_buffer.choose_exchange = lambda group, transport: SlabExchange(group)
+    torch_buffer.choose_exchange = lambda group, transport, row_bytes: SlabExchange(group)
     try:
         inputs = step_inputs(rank, 3, 32, HIDDEN, seed=13)
         exact = dict(**FLEX, moe_hybridep_capacity_factor=1.5, moe_hybridep_transport="nvshmem")
@@ -285,16 +286,19 @@ def deep_ep_buffer_through_the_same_path(rank, world):
             super().__init__(**kwargs)
 
     sys.modules["deep_ep"] = types.SimpleNamespace(HybridEPBuffer=RecordingBuffer)
+    wide = dict(hidden_size=DEEP_EP_HIDDEN)  # deep_ep's buffer takes hidden sizes of 128 and more
     try:
         # No megatron-ext option and deep_ep importable: Megatron's own manager, untouched (it
         # then fails as stock Megatron does here, where its fused_a2a found no HybridEP).
         with pytest.raises(ImportError, match="HybridEP is not installed"):
-            moe_layer(make_config(world, **FLEX))
-        capacity = dict(**FLEX, moe_hybridep_capacity_factor=1.5)
+            moe_layer(make_config(world, **FLEX, **wide))
+        # At a hidden size where deep_ep's constructor would abort the process, auto takes ours.
+        assert _manager(moe_layer(make_config(world, **FLEX))).implementation == "torch"
+        capacity = dict(**FLEX, **wide, moe_hybridep_capacity_factor=1.5)
         ours = moe_layer(make_config(world, **capacity, moe_hybridep_implementation="torch"), experts="grouped")
         deep_ep = moe_layer(make_config(world, **capacity, moe_hybridep_reuse_allgather_buffer=True), experts="grouped")
         copy_weights(ours, deep_ep)
-        inputs = step_inputs(rank, 3, 32, HIDDEN, seed=8)
+        inputs = step_inputs(rank, 3, 32, DEEP_EP_HIDDEN, seed=8)
         _assert_same(run_steps(ours, inputs), run_steps(deep_ep, inputs))
     finally:
         del sys.modules["deep_ep"]
