@@ -72,6 +72,15 @@ def _pow2(n: int, cap: int) -> int:
     return min(cap, triton.next_power_of_2(max(1, n)))
 
 
+def _output(out: Optional[torch.Tensor], rows: int, width: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """A new `[rows, width]` tensor, or `out` when it can take that many rows (a caller's buffer)."""
+    if out is None:
+        return torch.empty(rows, width, dtype=dtype, device=device)
+    if not (out.is_contiguous() and out.dtype == dtype and out.shape[0] >= rows and out.shape[1] == width):
+        raise ValueError(f"fused: `out` must be a contiguous [>= {rows}, {width}] {dtype} tensor")
+    return out
+
+
 def _check_count(n: torch.Tensor, device: torch.device) -> None:
     if n.numel() != 1 or n.dtype not in (torch.int32, torch.int64) or n.device != device:
         raise ValueError(f"fused: the row count must be a one-element integer tensor on {device}; got {n}")
@@ -416,10 +425,7 @@ def gather_rows(
     _check_count(n, src.device)
     src, index = src.contiguous(), index.contiguous()
     S, H = src.shape
-    if out is None:
-        out = torch.empty(index.shape[0], H, dtype=src.dtype, device=src.device)
-    elif not (out.is_contiguous() and out.dtype == src.dtype and out.shape[0] >= index.shape[0] and out.shape[1] == H):
-        raise ValueError(f"fused: `out` must be a contiguous [>= {index.shape[0]}, {H}] {src.dtype} tensor")
+    out = _output(out, index.shape[0], H, src.dtype, src.device)
     block_h = _pow2(H, 1024)
     block_r = max(1, 4096 // block_h)
     programs = _grid(src, triton.cdiv(index.shape[0], block_r))
@@ -570,10 +576,7 @@ def sum_rows_per_slot(
     rows, table = rows.contiguous(), table.contiguous()
     slots, L = table.shape
     H = rows.shape[1]
-    if out is None:
-        out = torch.empty(slots, H, dtype=dtype, device=rows.device)
-    elif not (out.is_contiguous() and out.dtype == dtype and out.shape[0] >= slots and out.shape[1] == H):
-        raise ValueError(f"fused: `out` must be a contiguous [>= {slots}, {H}] {dtype} tensor")
+    out = _output(out, slots, H, dtype, rows.device)
     if slots == 0:
         return out
     block_h = _pow2(H, 1024)

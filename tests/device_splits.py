@@ -51,7 +51,6 @@ class SlabExchange:
         source = torch.searchsorted(ends, at, right=True).clamp(max=W - 1)
         position = (at - (ends - counts)[source]).clamp(0, R - 1)
         recv.copy_(got.view(W, R, -1)[source, position])
-        return counts
 
     @property
     def memory_bytes(self) -> int:
@@ -77,7 +76,7 @@ class CountingExchange:
 
     def exchange(self, key, send_counts):
         self.exchanges += 1
-        return self.inner.exchange(key, send_counts)
+        self.inner.exchange(key, send_counts)
 
     @property
     def memory_bytes(self) -> int:

@@ -413,9 +413,8 @@ def run_modes(
 
     rank, world_size = dist.get_rank(), dist.get_world_size()
     runner = _Runner(sizes, rank, world_size, device, progress)
-    deep_ep_error, te_error = deep_ep_import_error(), te_import_error()
-    deep_ep_error = deep_ep_error and f"deep_ep does not import: {deep_ep_error}"
-    deep_ep_error = deep_ep_error or deep_ep_shape_error(sizes.hidden)
+    missing, te_error = deep_ep_import_error(), te_import_error()
+    deep_ep_error = f"deep_ep does not import: {missing}" if missing else deep_ep_shape_error(sizes.hidden)
     results: dict[str, ModeResult] = {}
     for _ in range(sizes.repeat):
         for mode in sorted(modes, key=lambda m: m.name != BLOCKING):  # the reference first

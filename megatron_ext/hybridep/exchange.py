@@ -42,7 +42,8 @@ class DeviceSplitsExchange(Protocol):
 
     A call: `barrier()`, then for each key, `buffers(key, ...)`, the caller writes the rows for
     rank 0, then rank 1, ... from the send buffer's first row, then `exchange(key, counts)`; the
-    receive buffer then holds the rows from rank 0, then rank 1, ... from its first row.
+    receive buffer then holds the rows from rank 0, then rank 1, ... from its first row (how many
+    from each, the caller knows from the gathered routing maps).
     """
 
     name: str
@@ -54,7 +55,7 @@ class DeviceSplitsExchange(Protocol):
         self, key: str, rows: int, width: int, dtype: torch.dtype, device: torch.device
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
-    def exchange(self, key: str, send_counts: torch.Tensor) -> torch.Tensor: ...
+    def exchange(self, key: str, send_counts: torch.Tensor) -> None: ...
 
     @property
     def memory_bytes(self) -> int: ...
@@ -117,7 +118,6 @@ class NVSHMEMExchange:
         send, recv, in_splits, out_splits_offsets = self._held[key]
         in_splits.copy_(send_counts)
         torch.ops.symm_mem.all_to_all_vdev(send, recv, in_splits, out_splits_offsets, self._group_name)
-        return out_splits_offsets[0]
 
     @property
     def memory_bytes(self) -> int:

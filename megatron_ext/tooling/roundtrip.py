@@ -138,14 +138,19 @@ def _dispatcher(buf, x, routing, probs, pad_multiple):
 
 
 def _deep_ep_buffer(args, num_local: int) -> dict:
-    """{"deep_ep": a deep_ep HybridEPBuffer for these inputs} where deep_ep imports, else {}."""
-    from megatron_ext.options import deep_ep_import_error
+    """{"deep_ep": a deep_ep HybridEPBuffer for these inputs} where deep_ep imports and takes the
+    hidden size (below 128 its constructor aborts the process), else {}."""
+    from megatron_ext.options import deep_ep_import_error, deep_ep_shape_error
 
-    if deep_ep_import_error() is not None:
+    if deep_ep_import_error() is not None or deep_ep_shape_error(args.hidden) is not None:
         return {}
-    from deep_ep import HybridEPBuffer
+    from megatron_ext.hybridep.deep_ep_buffer import create_deep_ep_buffer
 
-    return {"deep_ep": HybridEPBuffer(dist.group.WORLD, args.hidden, args.tokens, num_local)}
+    return {
+        "deep_ep": create_deep_ep_buffer(
+            dist.group.WORLD, args.hidden, args.tokens, num_local, reuse_allgather_buffer=False
+        )
+    }
 
 
 def _gpu_lines(rank, iters, device, buffers: dict, inputs) -> list[str]:
