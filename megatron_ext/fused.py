@@ -11,7 +11,8 @@ The kernels:
 * `activation_probs` / `activation_probs_backward`: the expert activation (SwiGLU, GeGLU, SiLU or
   GELU) weighted by the float32 router probs, in one pass each way, in float32 registers.
 * `gather_rows`: `out[r] = src[index[r]]` for r < n, a zero row for an index past `src` (the
-  permute of a dispatch); `gather_values`: the same for single values (the dispatched probs).
+  permute of a dispatch); `gather_rows_and_values`: with one value per row (the dispatched
+  probs) in the same launch.
 * `block_counts` and `dispatch_layout`: a dispatch's whole layout (see `hybridep/layout.py`) and
   the row tables the gathers read, in two launches, with no host read.
 * `sum_rows_per_slot`: for every slot (a received token), the float32 sum of its rows, in the
@@ -193,37 +194,52 @@ if triton is not None:
         out_ptr,
         n_ptr,
         S,
+        table_ptr,
+        codes_ptr,
+        values_ptr,
+        C,
+        table_stride,
+        num_codes,
         H: tl.constexpr,
+        L: tl.constexpr,
         BLOCK_R: tl.constexpr,
         BLOCK_H: tl.constexpr,
         PROGRAMS: tl.constexpr,
+        HAS_VALUES: tl.constexpr,
     ):
         # out[r] = src[index[r]] for r < n; an index >= S (a padding row) gives a zero row.
+        # HAS_VALUES: also values[r] = table[codes[r] // L, codes[r] % L] for every r < C, 0 where
+        # codes[r] >= num_codes (the table's rows are table_stride apart).
         n = tl.load(n_ptr)
+        if HAS_VALUES:
+            end = C
+        else:
+            end = n
         block = tl.program_id(0)
-        while block * BLOCK_R < n:
+        while block * BLOCK_R < end:
             rows = block * BLOCK_R + tl.arange(0, BLOCK_R)
-            live = rows < n
-            src_rows = tl.load(index_ptr + rows, mask=live, other=0).to(tl.int64)
-            exists = src_rows < S
-            for start in range(0, H, BLOCK_H):
-                cols = start + tl.arange(0, BLOCK_H)
-                in_width = (cols < H)[None, :]
-                values = tl.load(
-                    src_ptr + src_rows[:, None] * H + cols[None, :], mask=(live & exists)[:, None] & in_width, other=0
-                )
-                tl.store(
-                    out_ptr + rows[:, None].to(tl.int64) * H + cols[None, :], values, mask=live[:, None] & in_width
-                )
+            if block * BLOCK_R < n:
+                live = rows < n
+                src_rows = tl.load(index_ptr + rows, mask=live, other=0).to(tl.int64)
+                exists = src_rows < S
+                for start in range(0, H, BLOCK_H):
+                    cols = start + tl.arange(0, BLOCK_H)
+                    in_width = (cols < H)[None, :]
+                    values = tl.load(
+                        src_ptr + src_rows[:, None] * H + cols[None, :],
+                        mask=(live & exists)[:, None] & in_width,
+                        other=0,
+                    )
+                    tl.store(
+                        out_ptr + rows[:, None].to(tl.int64) * H + cols[None, :], values, mask=live[:, None] & in_width
+                    )
+            if HAS_VALUES:
+                in_c = rows < C
+                code = tl.load(codes_ptr + rows, mask=in_c, other=0).to(tl.int64)
+                known = in_c & (code < num_codes)
+                at = (code // L) * table_stride + code % L
+                tl.store(values_ptr + rows, tl.load(table_ptr + at, mask=known, other=0), mask=in_c)
             block += PROGRAMS
-
-    @triton.jit
-    def _gather_values_kernel(src_ptr, index_ptr, out_ptr, C, S, BLOCK: tl.constexpr):
-        # out[r] = src[index[r]] for r < C, 0 where index[r] >= S.
-        at = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        live = at < C
-        index = tl.load(index_ptr + at, mask=live, other=0)
-        tl.store(out_ptr + at, tl.load(src_ptr + index, mask=live & (index < S), other=0), mask=live)
 
     @triton.jit
     def _block_counts_kernel(map_ptr, out_ptr, N, stride, L: tl.constexpr, L_P2: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -412,7 +428,7 @@ def activation_probs_backward(
 def gather_rows(
     src: torch.Tensor, index: torch.Tensor, n: torch.Tensor, out: Optional[torch.Tensor] = None
 ) -> torch.Tensor:
-    """`out[r] = src[index[r]]` for r < n, a zero row where `index[r] >= S`.
+    """`out[r] = src[index[r]]` for r < n, a zero row where `index[r] >= S` (one launch).
 
     Args:
         src: `[S, H]`. index: `[C]` integer, values >= 0 for r < n (S or more: a padding row).
@@ -422,34 +438,72 @@ def gather_rows(
     Returns:
         `out` (`[C, H]` when new) in src's dtype; rows >= n unwritten.
     """
+    return _gather(src, index, n, out, None)[0]
+
+
+def gather_rows_and_values(
+    src: torch.Tensor, index: torch.Tensor, n: torch.Tensor, table: torch.Tensor, codes: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`gather_rows` and, in the same launch, one value per row: `values[r] = table[codes[r] // L,
+    codes[r] % L]` for every r < C (past n too), 0 where `codes[r] >= table.numel()` (a padding or
+    spare row). The rows and probs of a dispatch in one pass.
+
+    Args:
+        src, index, n: as in `gather_rows`.
+        table: `[S_t, L]`, columns contiguous, rows of any stride (a column slice of a wider buffer
+            is read as it is). codes: `[C]` integer, values >= 0.
+
+    Returns:
+        (`[C, H]` rows as in `gather_rows`, `[C]` values in table's dtype)
+    """
+    _check_table(table, codes, index.shape[0])
+    return _gather(src, index, n, None, (table, codes))
+
+
+def _check_table(table: torch.Tensor, codes: torch.Tensor, rows: int) -> None:
+    if table.dim() != 2 or (table.shape[1] > 1 and table.stride(1) != 1) or codes.shape != (rows,):
+        raise ValueError(
+            f"fused: the value table must be [S, L] with contiguous columns and one code per row ({rows}); "
+            f"got a table of shape {tuple(table.shape)} and strides {table.stride()}, codes of shape "
+            f"{tuple(codes.shape)}"
+        )
+
+
+def _gather(src, index, n, out, values):
     _check_count(n, src.device)
     src, index = src.contiguous(), index.contiguous()
     S, H = src.shape
-    out = _output(out, index.shape[0], H, src.dtype, src.device)
+    C = index.shape[0]
+    out = _output(out, C, H, src.dtype, src.device)
     block_h = _pow2(H, 1024)
     block_r = max(1, 4096 // block_h)
-    programs = _grid(src, triton.cdiv(index.shape[0], block_r))
-    _gather_rows_kernel[(programs,)](src, index, out, n, S, H, BLOCK_R=block_r, BLOCK_H=block_h, PROGRAMS=programs)
-    return out
-
-
-def gather_values(src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """`out[r] = src.flatten()[index[r]]`, 0 where `index[r] >= src.numel()` (one launch).
-
-    Args:
-        src: any shape, read flat. index: `[C]` integer, values >= 0.
-
-    Returns:
-        `[C]` in src's dtype.
-    """
-    src, index = src.contiguous(), index.contiguous()
-    out = torch.empty(index.shape[0], dtype=src.dtype, device=src.device)
-    if index.numel():
-        block = 1024
-        _gather_values_kernel[(triton.cdiv(index.numel(), block),)](
-            src, index, out, index.numel(), src.numel(), BLOCK=block
-        )
-    return out
+    programs = _grid(src, triton.cdiv(C, block_r))
+    if values is None:  # the value arguments are not read
+        table, codes, gathered, L, stride = index, index, index, 1, 0
+    else:
+        table, codes = values[0], values[1].contiguous()
+        gathered = torch.empty(C, dtype=table.dtype, device=src.device)
+        L, stride = table.shape[1], table.stride(0)
+    _gather_rows_kernel[(programs,)](
+        src,
+        index,
+        out,
+        n,
+        S,
+        table,
+        codes,
+        gathered,
+        C,
+        stride,
+        table.shape[0] * L,
+        H=H,
+        L=L,
+        BLOCK_R=block_r,
+        BLOCK_H=block_h,
+        PROGRAMS=programs,
+        HAS_VALUES=values is not None,
+    )
+    return out, (None if values is None else gathered)
 
 
 class Layout(NamedTuple):
@@ -523,15 +577,14 @@ def dispatch_layout(
     data, stride = _map_bytes(local_map)
     num_tokens, num_local = local_map.shape
     device = local_map.device
-    row_slot = torch.empty(capacity, dtype=torch.int64, device=device)
-    row_code = torch.empty(capacity, dtype=torch.int64, device=device)
+    # The int64 outputs share one allocation (each allocation costs the host a few microseconds).
+    int64_outputs = torch.empty(2 * capacity + num_local + 1, dtype=torch.int64, device=device)
+    row_slot, row_code, tokens_per_expert, real_rows = int64_outputs.split((capacity, capacity, num_local, 1))
     if spare_slots:
         slot_rows = torch.full((num_slots, num_local), -1, dtype=torch.int32, device=device)
     else:
         slot_rows = torch.empty(num_slots, num_local, dtype=torch.int32, device=device)
-    tokens_per_expert = torch.empty(num_local, dtype=torch.int64, device=device)
     overflow = torch.empty(1, dtype=torch.int32, device=device)
-    real_rows = torch.empty(1, dtype=torch.int64, device=device)
     blocks = counts.shape[0]
     _layout_kernel[(blocks,)](
         data,

@@ -109,12 +109,34 @@ def test_gather_rows_reads_an_index_past_the_source_as_a_zero_row(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_gather_values_gives_zero_past_the_source(device):
-    gen = torch.Generator().manual_seed(4)
-    src = torch.randn(7, 5, generator=gen).to(device)
-    index = torch.randint(0, 45, (3000,), generator=gen)  # 35 and beyond: past the source
-    expected = torch.where(index < 35, src.cpu().flatten()[index.clamp(max=34)], 0.0)
-    assert torch.equal(fused.gather_values(src, index.to(device)).cpu(), expected)
+@pytest.mark.parametrize("table_width", [5, 8])  # 8: a column slice [:, :5] of a wider buffer
+def test_gather_rows_and_values_gives_every_rows_value_and_zero_past_the_table(device, table_width):
+    """The probs of a dispatch ride with its rows: a value for every row, past n too (0 for a
+    padding or spare row's code), read through the table's row stride."""
+    gen = torch.Generator().manual_seed(4 + table_width)
+    src = torch.randn(20, 24, generator=gen).to(device=device, dtype=torch.bfloat16)
+    index = torch.randint(0, 21, (3000,), generator=gen)  # 20: a padding row
+    n = 1700
+    index[n:] = 10**9  # never read
+    wide = torch.randn(7, table_width, generator=gen)
+    table = wide[:, :5]
+    codes = torch.randint(0, 45, (3000,), generator=gen)  # 35 and beyond: past the table
+    expected = torch.where(codes < 35, table.flatten()[codes.clamp(max=34)], 0.0)
+    rows, values = fused.gather_rows_and_values(
+        src, index.to(device), _count(n, device), wide.to(device)[:, :5], codes.to(device)
+    )
+    assert torch.equal(values.cpu(), expected)
+    padded_src = torch.cat([src.cpu(), torch.zeros(1, 24, dtype=torch.bfloat16)])
+    assert torch.equal(rows[:n].cpu(), padded_src[index[:n]])
+    assert rows.shape == (3000, 24) and values.shape == (3000,) and values.dtype == torch.float32
+
+
+def test_gather_rows_and_values_refuses_a_table_it_cannot_read():
+    src, index, n = torch.zeros(4, 8), torch.zeros(6, dtype=torch.int64), torch.tensor([2])
+    with pytest.raises(ValueError, match="contiguous columns and one code per row"):
+        fused.gather_rows_and_values(src, index, n, torch.zeros(5, 3).t(), torch.zeros(6, dtype=torch.int64))
+    with pytest.raises(ValueError, match=r"one code per row \(6\)"):
+        fused.gather_rows_and_values(src, index, n, torch.zeros(3, 5), torch.zeros(5, dtype=torch.int64))
 
 
 def _layout_reference(local_map, capacity, pad, slot_of_token):

@@ -325,7 +325,11 @@ def _guard_catches_blocking(checks, rank, world_size):
 # ------------------------------------------------------------------ routing-map buffer reuse
 
 
-def reuse_writes_the_same_storage(pointers, reused, second, map_bytes):
+def reuse_writes_the_same_storage(pointers, reused, second, map_bytes, world_size, map_pointers):
+    if world_size == 1:  # one rank gathers nothing: its own map comes back, nothing is allocated
+        assert pointers == map_pointers, "one rank's gather did not return its own map"
+        assert (reused.routing_map_gather.stats.allocations, second.routing_map_gather.stats.allocations) == (0, 0)
+        return
     assert len(set(pointers[:3])) == 1, f"repeated same-shape gathers moved: {pointers[:3]}"
     assert pointers[4] == pointers[3], "a smaller gather after growth did not reuse the grown buffer"
     stats = reused.routing_map_gather.stats
@@ -335,8 +339,11 @@ def reuse_writes_the_same_storage(pointers, reused, second, map_bytes):
     assert second.routing_map_gather.stats.last_data_ptr == pointers[-1]
 
 
-def no_reuse_allocates_every_dispatch(fresh, map_bytes):
+def no_reuse_allocates_every_dispatch(fresh, map_bytes, world_size):
     stats = fresh.routing_map_gather.stats
+    if world_size == 1:
+        assert (stats.gathers, stats.allocations, stats.bytes_allocated) == (5, 0, 0), stats
+        return
     assert (stats.gathers, stats.allocations) == (5, 5), stats
     assert stats.bytes_allocated == map_bytes * (3 + 2 + 0.5), stats
 
@@ -360,7 +367,7 @@ def _reuse(checks, rank, world_size):
     reused = TorchHybridEPBuffer(dist.group.WORLD, HIDDEN, 32, 4, reuse_allgather_buffer=True)
     second = TorchHybridEPBuffer(dist.group.WORLD, HIDDEN, 32, 4, enable_custom_allgather=True)
     fresh = TorchHybridEPBuffer(dist.group.WORLD, HIDDEN, 32, 4)
-    pointers, outputs = [], []
+    pointers, outputs, map_pointers = [], [], []
     for num_tokens in (16, 16, 16, 32, 8):
         hidden, maps, probs = reference.random_routing(
             gen, world_size, num_tokens, num_experts, 2, HIDDEN, torch.float32
@@ -377,6 +384,7 @@ def _reuse(checks, rank, world_size):
             )
             results.append((rows, row_probs, counts))
         pointers.append(reused.routing_map_gather.stats.last_data_ptr)
+        map_pointers.append(maps[rank].data_ptr())
         outputs.append(results)
     second.dispatch_with_permute(hidden=hidden[rank], routing_map=maps[rank], probs=probs[rank])
     map_bytes = world_size * num_experts * 16

@@ -66,13 +66,14 @@ class RoutingMapGather:
         """Gather `routing_map` (`[T, E]` bool, the same shape on every rank) from all ranks.
 
         Returns `[W * T, E]` bool, rank r's rows at `[r * T, (r + 1) * T)`. With reuse, the result
-        is overwritten by the next gather on this process group.
+        is overwritten by the next gather on this process group. A group of one rank gets its own
+        map back (contiguous), gathered nowhere.
         """
-        num_tokens, num_experts = routing_map.shape
-        out = self._output(self.world_size * num_tokens, num_experts, routing_map.device)
-        if self.world_size == 1:
-            out.copy_(routing_map)  # one rank: a copy, without the collective's host overhead
+        if self.world_size == 1:  # one rank: its own map, with neither a copy nor an allocation
+            out = routing_map.contiguous()
         else:
+            num_tokens, num_experts = routing_map.shape
+            out = self._output(self.world_size * num_tokens, num_experts, routing_map.device)
             dist.all_gather_into_tensor(out, routing_map.contiguous(), group=self.group)
         self.stats.gathers += 1
         self.stats.last_data_ptr = out.data_ptr()

@@ -674,12 +674,7 @@ class TorchHybridEPBuffer:
         else:
             received = self._exchange(hidden[handle.send_token], handle.recv_splits, handle.send_splits)
             rows_elsewhere = self._sent_elsewhere(handle.send_splits)
-        if fused_kernels:  # the existing rows only; those past them unwritten
-            rows = fused.gather_rows(received, handle.row_slot, handle.real_rows)
-        else:
-            rows = _gather_or_zero(received, handle.row_slot)
-
-        row_probs = None
+        table = None
         if probs is not None:
             per_rank = probs.view(T, W, L)
             if handle.non_blocking:
@@ -687,9 +682,16 @@ class TorchHybridEPBuffer:
             else:
                 sent = per_rank[handle.send_token, handle.send_dest]
                 table = self._exchange(sent, handle.recv_splits, handle.send_splits)
-            gather = fused.gather_values if fused_kernels else _gather_or_zero
-            row_probs = gather(table.reshape(-1), handle.row_prob_index)
-
+        if not fused_kernels:
+            rows = _gather_or_zero(received, handle.row_slot)
+            row_probs = None if table is None else _gather_or_zero(table.reshape(-1), handle.row_prob_index)
+            return rows, row_probs, rows_elsewhere
+        # The existing rows only (those past them unwritten), and the probs in the same launch.
+        if table is None:
+            return fused.gather_rows(received, handle.row_slot, handle.real_rows), None, rows_elsewhere
+        rows, row_probs = fused.gather_rows_and_values(
+            received, handle.row_slot, handle.real_rows, table, handle.row_prob_index
+        )
         return rows, row_probs, rows_elsewhere
 
     def _move_exact_rows(self, hidden, probs, handle: HybridEPHandle):
@@ -702,16 +704,18 @@ class TorchHybridEPBuffer:
         send, recv = exchange.buffers("rows", slots, hidden.shape[1], hidden.dtype, hidden.device)
         fused.gather_rows(hidden, handle.send_token, handle.send_counts.sum().reshape(1), out=send)
         exchange.exchange("rows", handle.send_counts)
-        rows = fused.gather_rows(recv[:slots], handle.row_slot, handle.real_rows)
-        row_probs = None
-        if probs is not None:
-            send_probs, recv_probs = exchange.buffers("probs", slots, _probs_width(L), torch.float32, hidden.device)
-            # Row (token t, rank w) of the [T * W, L] view holds t's probs for w's experts.
-            picked = handle.send_token.clamp(min=0) * W + handle.send_dest.clamp(min=0)
-            send_probs[:slots, :L] = probs.view(T * W, L)[picked]
-            exchange.exchange("probs", handle.send_counts)
-            row_probs = fused.gather_values(recv_probs[:slots, :L], handle.row_prob_index)
-        return rows, row_probs, handle.send_counts.sum() - handle.send_counts[self.rank]
+        sent_elsewhere = handle.send_counts.sum() - handle.send_counts[self.rank]
+        if probs is None:
+            return fused.gather_rows(recv[:slots], handle.row_slot, handle.real_rows), None, sent_elsewhere
+        send_probs, recv_probs = exchange.buffers("probs", slots, _probs_width(L), torch.float32, hidden.device)
+        # Row (token t, rank w) of the [T * W, L] view holds t's probs for w's experts.
+        picked = handle.send_token.clamp(min=0) * W + handle.send_dest.clamp(min=0)
+        send_probs[:slots, :L] = probs.view(T * W, L)[picked]
+        exchange.exchange("probs", handle.send_counts)
+        rows, row_probs = fused.gather_rows_and_values(
+            recv[:slots], handle.row_slot, handle.real_rows, recv_probs[:slots, :L], handle.row_prob_index
+        )
+        return rows, row_probs, sent_elsewhere
 
     # ------------------------------------------------------------------ combine
 
