@@ -577,14 +577,15 @@ def dispatch_layout(
     data, stride = _map_bytes(local_map)
     num_tokens, num_local = local_map.shape
     device = local_map.device
-    # The int64 outputs share one allocation (each allocation costs the host a few microseconds).
-    int64_outputs = torch.empty(2 * capacity + num_local + 1, dtype=torch.int64, device=device)
-    row_slot, row_code, tokens_per_expert, real_rows = int64_outputs.split((capacity, capacity, num_local, 1))
+    row_slot = torch.empty(capacity, dtype=torch.int64, device=device)
+    row_code = torch.empty(capacity, dtype=torch.int64, device=device)
     if spare_slots:
         slot_rows = torch.full((num_slots, num_local), -1, dtype=torch.int32, device=device)
     else:
         slot_rows = torch.empty(num_slots, num_local, dtype=torch.int32, device=device)
+    tokens_per_expert = torch.empty(num_local, dtype=torch.int64, device=device)
     overflow = torch.empty(1, dtype=torch.int32, device=device)
+    real_rows = torch.empty(1, dtype=torch.int64, device=device)
     blocks = counts.shape[0]
     _layout_kernel[(blocks,)](
         data,
