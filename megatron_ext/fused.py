@@ -17,7 +17,8 @@ The kernels:
   the row tables the gathers read, in two launches, with no host read.
 * `sum_rows_per_slot`: for every slot (a received token), the float32 sum of its rows, in the
   order of the row table (expert order); a gather per slot, deterministic, with no atomics and no
-  sort (the unpermute of a combine).
+  sort (the unpermute of a combine); `sum_rows_per_slot_and_values`: with each slot's values by
+  expert (the combined probs) in the same launch.
 
 `enabled_for(t)` says whether they run for a tensor: CUDA tensors when Triton imports, and CPU
 tensors under Triton's interpreter (`TRITON_INTERPRET=1`, how the CPU tests run them).
@@ -73,12 +74,17 @@ def _pow2(n: int, cap: int) -> int:
     return min(cap, triton.next_power_of_2(max(1, n)))
 
 
-def _output(out: Optional[torch.Tensor], rows: int, width: int, dtype: torch.dtype, device) -> torch.Tensor:
-    """A new `[rows, width]` tensor, or `out` when it can take that many rows (a caller's buffer)."""
+def _output(
+    out: Optional[torch.Tensor], rows: int, width: int, dtype: torch.dtype, device, row_stride: bool = False
+) -> torch.Tensor:
+    """A new `[rows, width]` tensor, or `out` when it can take that many rows (a caller's buffer;
+    `row_stride`: its rows may be further apart than `width`, a column slice of a wider buffer)."""
     if out is None:
         return torch.empty(rows, width, dtype=dtype, device=device)
-    if not (out.is_contiguous() and out.dtype == dtype and out.shape[0] >= rows and out.shape[1] == width):
-        raise ValueError(f"fused: `out` must be a contiguous [>= {rows}, {width}] {dtype} tensor")
+    laid_out = (width == 1 or out.stride(1) == 1) and out.stride(0) >= width if row_stride else out.is_contiguous()
+    if not (laid_out and out.dtype == dtype and out.shape[0] >= rows and out.shape[1] == width):
+        kind = "a [>= {}, {}] {} tensor with contiguous columns" if row_stride else "a contiguous [>= {}, {}] {} tensor"
+        raise ValueError(f"fused: `out` must be {kind.format(rows, width, dtype)}")
     return out
 
 
@@ -194,6 +200,7 @@ if triton is not None:
         out_ptr,
         n_ptr,
         S,
+        out_stride,
         table_ptr,
         codes_ptr,
         values_ptr,
@@ -207,7 +214,8 @@ if triton is not None:
         PROGRAMS: tl.constexpr,
         HAS_VALUES: tl.constexpr,
     ):
-        # out[r] = src[index[r]] for r < n; an index >= S (a padding row) gives a zero row.
+        # out[r] = src[index[r]] for r < n (out's rows out_stride apart); an index >= S (a padding
+        # row) gives a zero row.
         # HAS_VALUES: also values[r] = table[codes[r] // L, codes[r] % L] for every r < C, 0 where
         # codes[r] >= num_codes (the table's rows are table_stride apart).
         n = tl.load(n_ptr)
@@ -231,7 +239,9 @@ if triton is not None:
                         other=0,
                     )
                     tl.store(
-                        out_ptr + rows[:, None].to(tl.int64) * H + cols[None, :], values, mask=live[:, None] & in_width
+                        out_ptr + rows[:, None].to(tl.int64) * out_stride + cols[None, :],
+                        values,
+                        mask=live[:, None] & in_width,
                     )
             if HAS_VALUES:
                 in_c = rows < C
@@ -348,12 +358,18 @@ if triton is not None:
         rows_ptr,
         table_ptr,
         out_ptr,
+        values_ptr,
+        values_out_ptr,
+        values_out_stride,
         H: tl.constexpr,
         L: tl.constexpr,
+        L_P2: tl.constexpr,
         BLOCK_H: tl.constexpr,
+        HAS_VALUES: tl.constexpr,
     ):
         # One slot and one column block per program: the slot's rows (table[slot, e], -1 for none)
-        # added in table order, in float32.
+        # added in table order, in float32. HAS_VALUES: the first column block's program also
+        # writes values_out[slot, e] = values[table[slot, e]], 0 where -1.
         slot = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         in_width = cols < H
@@ -363,6 +379,13 @@ if triton is not None:
             if row >= 0:
                 acc += tl.load(rows_ptr + row * H + cols, mask=in_width, other=0.0).to(tl.float32)
         tl.store(out_ptr + slot * H + cols, acc.to(out_ptr.dtype.element_ty), mask=in_width)
+        if HAS_VALUES:
+            if tl.program_id(1) == 0:
+                experts = tl.arange(0, L_P2)
+                is_expert = experts < L
+                rows = tl.load(table_ptr + slot * L + experts, mask=is_expert, other=-1).to(tl.int64)
+                picked = tl.load(values_ptr + rows, mask=rows >= 0, other=0)
+                tl.store(values_out_ptr + slot * values_out_stride + experts, picked, mask=is_expert)
 
 
 def activation_probs(h: torch.Tensor, probs: torch.Tensor, n: torch.Tensor, *, gated: bool, activation: int):
@@ -433,7 +456,8 @@ def gather_rows(
     Args:
         src: `[S, H]`. index: `[C]` integer, values >= 0 for r < n (S or more: a padding row).
         n: one-element device tensor.
-        out: where to write (`[C or more, H]`, contiguous, src's dtype), or None for a new tensor.
+        out: where to write (`[C or more, H]` in src's dtype, columns contiguous, rows of any stride:
+            a column slice of a wider buffer), or None for a new tensor.
 
     Returns:
         `out` (`[C, H]` when new) in src's dtype; rows >= n unwritten.
@@ -474,7 +498,7 @@ def _gather(src, index, n, out, values):
     src, index = src.contiguous(), index.contiguous()
     S, H = src.shape
     C = index.shape[0]
-    out = _output(out, C, H, src.dtype, src.device)
+    out = _output(out, C, H, src.dtype, src.device, row_stride=True)
     block_h = _pow2(H, 1024)
     block_r = max(1, 4096 // block_h)
     programs = _grid(src, triton.cdiv(C, block_r))
@@ -490,6 +514,7 @@ def _gather(src, index, n, out, values):
         out,
         n,
         S,
+        out.stride(0),
         table,
         codes,
         gathered,
@@ -627,12 +652,67 @@ def sum_rows_per_slot(
     Returns:
         `out` (`[S, H]` when new) in `dtype` (a slot with no rows gets zeros).
     """
+    return _sum_rows(rows, table, dtype, out, None, None)
+
+
+def sum_rows_per_slot_and_values(
+    rows: torch.Tensor,
+    table: torch.Tensor,
+    dtype: torch.dtype,
+    values: torch.Tensor,
+    out: Optional[torch.Tensor] = None,
+    values_out: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sum_rows_per_slot` and, in the same launch, each slot's values by expert:
+    `values_out[s, e] = values[table[s, e]]`, 0 where the entry is -1 (the probs of a combine).
+
+    Args:
+        rows, table, dtype, out: as in `sum_rows_per_slot`.
+        values: `[C]`, one value per row.
+        values_out: where to write the values (`[S or more, L]` in values' dtype, columns
+            contiguous, rows of any stride: a column slice of a wider buffer), or None.
+
+    Returns:
+        (`out`, `values_out`: `[S, L]` when new)
+    """
+    slots, L = table.shape
+    if values_out is None:
+        values_out = torch.empty(slots, L, dtype=values.dtype, device=values.device)
+    if not (
+        values.shape == (rows.shape[0],)
+        and values_out.dtype == values.dtype
+        and values_out.shape[0] >= slots
+        and values_out.shape[1] == L
+        and (L == 1 or values_out.stride(1) == 1)
+    ):
+        raise ValueError(
+            f"fused: `values` must be [{rows.shape[0]}] (one per row) and `values_out` a [>= {slots}, {L}] "
+            f"{values.dtype} tensor with contiguous columns; got values of shape {tuple(values.shape)}, "
+            f"values_out {values_out.dtype} of shape {tuple(values_out.shape)} and strides {values_out.stride()}"
+        )
+    return _sum_rows(rows, table, dtype, out, values.contiguous(), values_out)
+
+
+def _sum_rows(rows, table, dtype, out, values, values_out):
     rows, table = rows.contiguous(), table.contiguous()
     slots, L = table.shape
     H = rows.shape[1]
     out = _output(out, slots, H, dtype, rows.device)
     if slots == 0:
-        return out
+        return out if values is None else (out, values_out)
     block_h = _pow2(H, 1024)
-    _sum_rows_per_slot_kernel[(slots, triton.cdiv(H, block_h))](rows, table, out, H, L=L, BLOCK_H=block_h)
-    return out
+    has_values = values is not None
+    _sum_rows_per_slot_kernel[(slots, triton.cdiv(H, block_h))](
+        rows,
+        table,
+        out,
+        values if has_values else table,  # not read without values
+        values_out if has_values else table,
+        values_out.stride(0) if has_values else 0,
+        H,
+        L=L,
+        L_P2=triton.next_power_of_2(L),
+        BLOCK_H=block_h,
+        HAS_VALUES=has_values,
+    )
+    return out if values is None else (out, values_out)

@@ -241,6 +241,36 @@ def test_sum_rows_per_slot_adds_in_table_order_in_float32(device, slots, experts
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("slots, experts, width", [(13, 4, 24), (5, 1, 8), (9, 6, 1100), (0, 3, 8)])
+def test_sum_rows_per_slot_and_values_gives_each_slots_values_by_expert(device, slots, experts, width):
+    """The probs of a combine ride with its sums: values[table[s, e]], 0 where the entry is -1,
+    written through a wider buffer's row stride (the exact transport's send buffer)."""
+    gen = torch.Generator().manual_seed(slots * 7 + experts + width)
+    rows = torch.randn(40, width, generator=gen).to(torch.bfloat16)
+    table = torch.randint(0, 40, (slots, experts), generator=gen, dtype=torch.int32)
+    table[torch.rand(slots, experts, generator=gen) < 0.4] = -1
+    values = torch.rand(40, generator=gen)
+    expected = torch.where(table >= 0, values[table.long().clamp(min=0)], 0.0)
+    wide = torch.full((slots + 2, experts + 3), 7.0, device=device)
+    sums, by_slot = fused.sum_rows_per_slot_and_values(
+        rows.to(device), table.to(device), torch.float32, values.to(device), values_out=wide[:, :experts]
+    )
+    assert torch.equal(by_slot[:slots].cpu(), expected)
+    assert bool((wide[:, experts:] == 7.0).all()) and bool((wide[slots:] == 7.0).all()), "wrote past the slots"
+    assert torch.equal(sums.cpu(), fused.sum_rows_per_slot(rows.to(device), table.to(device), torch.float32).cpu())
+    _, fresh = fused.sum_rows_per_slot_and_values(rows.to(device), table.to(device), torch.float32, values.to(device))
+    assert fresh.shape == (slots, experts) and torch.equal(fresh.cpu(), expected)
+
+
+def test_sum_rows_per_slot_and_values_refuses_values_it_cannot_take():
+    rows, table = torch.zeros(6, 8), torch.zeros(3, 2, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"`values` must be \[6\] \(one per row\)"):
+        fused.sum_rows_per_slot_and_values(rows, table, torch.float32, torch.zeros(5))
+    with pytest.raises(ValueError, match="contiguous columns"):
+        fused.sum_rows_per_slot_and_values(rows, table, torch.float32, torch.zeros(6), values_out=torch.zeros(2, 3).t())
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_gather_rows_and_sum_rows_per_slot_write_into_a_given_buffer(device):
     """`out=`: the exact transport's send buffers, larger than one call's rows; the rows past those
     the call writes keep what they held."""
@@ -251,6 +281,10 @@ def test_gather_rows_and_sum_rows_per_slot_write_into_a_given_buffer(device):
     assert fused.gather_rows(src, index, _count(9, device), out=out) is out
     assert torch.equal(out[:9], src[index[:9]])
     assert bool((out[9:] == 7.0).all()), "rows past n were written"
+    wide = torch.full((14, 40), 7.0, dtype=torch.bfloat16, device=device)  # the exact transport's probs buffer
+    fused.gather_rows(src, index, _count(9, device), out=wide[:, :24])
+    assert torch.equal(wide[:9, :24], src[index[:9]])
+    assert bool((wide[9:] == 7.0).all()) and bool((wide[:, 24:] == 7.0).all()), "wrote past the rows or columns"
 
     table = torch.tensor([[0, -1], [3, 5], [-1, -1]], dtype=torch.int32, device=device)
     sums = torch.full((8, 24), 7.0, dtype=torch.float32, device=device)
@@ -259,8 +293,12 @@ def test_gather_rows_and_sum_rows_per_slot_write_into_a_given_buffer(device):
     assert torch.equal(sums[:3], expected)
     assert bool((sums[3:] == 7.0).all()), "rows past the table were written"
 
-    with pytest.raises(ValueError, match=r"`out` must be a contiguous \[>= 12, 24\] torch.bfloat16 tensor"):
+    with pytest.raises(
+        ValueError, match=r"`out` must be a \[>= 12, 24\] torch.bfloat16 tensor with contiguous columns"
+    ):
         fused.gather_rows(src, index, _count(9, device), out=out.float())
+    with pytest.raises(ValueError, match="with contiguous columns"):
+        fused.gather_rows(src, index, _count(9, device), out=out.t().contiguous().t())
     with pytest.raises(ValueError, match=r"`out` must be a contiguous \[>= 3, 24\] torch.float32 tensor"):
         fused.sum_rows_per_slot(src, table, torch.float32, out=sums[:2])
 

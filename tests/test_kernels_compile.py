@@ -84,8 +84,11 @@ def _call_every_wrapper():
                 fused.activation_probs_backward(grad, h, probs, n, gated=gated, activation=activation)
         src, index = torch.randn(20, 24, generator=gen).to(dtype), torch.randint(0, 21, (12,), generator=gen)
         fused.gather_rows(src, index, n)
+        fused.gather_rows(src, index, n, out=torch.empty(12, 32).to(dtype)[:, :24])
         fused.gather_rows_and_values(src, index, n, torch.rand(4, 8)[:, :3], index)
-        fused.sum_rows_per_slot(src, torch.randint(-1, 12, (6, 3), generator=gen, dtype=torch.int32), dtype)
+        table = torch.randint(-1, 12, (6, 3), generator=gen, dtype=torch.int32)
+        fused.sum_rows_per_slot(src, table, dtype)
+        fused.sum_rows_per_slot_and_values(src[:12], table, dtype, torch.rand(12), values_out=torch.rand(6, 8)[:, :3])
     local_map = torch.rand(64, 16, generator=gen) < 0.3
     counts = torch.zeros(4, 4, dtype=torch.int32)  # the counts' values are not read when recording
     fused.block_counts(local_map[:, 4:8])

@@ -702,15 +702,17 @@ class TorchHybridEPBuffer:
         exchange, slots = self._splits_exchange, W * T
         exchange.barrier()
         send, recv = exchange.buffers("rows", slots, hidden.shape[1], hidden.dtype, hidden.device)
-        fused.gather_rows(hidden, handle.send_token, handle.send_counts.sum().reshape(1), out=send)
+        num_sent = handle.send_counts.sum().reshape(1)
+        fused.gather_rows(hidden, handle.send_token, num_sent, out=send)
         exchange.exchange("rows", handle.send_counts)
-        sent_elsewhere = handle.send_counts.sum() - handle.send_counts[self.rank]
+        sent_elsewhere = num_sent[0] - handle.send_counts[self.rank]
         if probs is None:
             return fused.gather_rows(recv[:slots], handle.row_slot, handle.real_rows), None, sent_elsewhere
         send_probs, recv_probs = exchange.buffers("probs", slots, _probs_width(L), torch.float32, hidden.device)
-        # Row (token t, rank w) of the [T * W, L] view holds t's probs for w's experts.
-        picked = handle.send_token.clamp(min=0) * W + handle.send_dest.clamp(min=0)
-        send_probs[:slots, :L] = probs.view(T * W, L)[picked]
+        # Row t * W + w of the [T * W, L] view holds token t's probs for rank w's experts.
+        fused.gather_rows(
+            probs.view(T * W, L), handle.send_token * W + handle.send_dest, num_sent, out=send_probs[:, :L]
+        )
         exchange.exchange("probs", handle.send_counts)
         rows, row_probs = fused.gather_rows_and_values(
             recv[:slots], handle.row_slot, handle.real_rows, recv_probs[:slots, :L], handle.row_prob_index
@@ -774,7 +776,10 @@ class TorchHybridEPBuffer:
                 0 if probs is None else _probs_row_bytes(handle, L),
             )
             return tokens, token_probs
-        if fused_kernels:
+        table = None  # the probs per slot, by local expert
+        if fused_kernels and probs is not None:
+            partial, table = fused.sum_rows_per_slot_and_values(hidden, handle.slot_rows, hidden.dtype, probs)
+        elif fused_kernels:
             partial = fused.sum_rows_per_slot(hidden, handle.slot_rows, hidden.dtype)
         else:
             partial = torch.zeros(handle.num_slots + PADDING_SPREAD, width, dtype=torch.float32, device=hidden.device)
@@ -797,7 +802,7 @@ class TorchHybridEPBuffer:
 
         token_probs = None
         if probs is not None:
-            table = _probs_per_slot(probs, handle, L)
+            table = _probs_per_slot(probs, handle, L) if table is None else table
             if handle.non_blocking:
                 back_probs = self._exchange(table)
                 token_probs = back_probs.view(W, T, L).transpose(0, 1).reshape(T, W * L)
@@ -817,13 +822,17 @@ class TorchHybridEPBuffer:
         exchange, slots = self._splits_exchange, W * T
         exchange.barrier()
         send, recv = exchange.buffers("rows", slots, hidden.shape[1], hidden.dtype, hidden.device)
-        fused.sum_rows_per_slot(hidden, handle.slot_rows, hidden.dtype, out=send)
+        if probs is None:
+            fused.sum_rows_per_slot(hidden, handle.slot_rows, hidden.dtype, out=send)
+        else:  # the probs by slot into their send buffer in the same launch
+            send_probs, recv_probs = exchange.buffers("probs", slots, _probs_width(L), torch.float32, hidden.device)
+            fused.sum_rows_per_slot_and_values(
+                hidden, handle.slot_rows, hidden.dtype, probs, out=send, values_out=send_probs[:, :L]
+            )
         exchange.exchange("rows", handle.recv_counts)
         tokens = fused.sum_rows_per_slot(recv[:slots], handle.token_rows, hidden.dtype)
         token_probs = None
         if probs is not None:
-            send_probs, recv_probs = exchange.buffers("probs", slots, _probs_width(L), torch.float32, hidden.device)
-            send_probs[:slots, :L] = _probs_per_slot(probs, handle, L)
             exchange.exchange("probs", handle.recv_counts)
             returned = handle.token_rows.long()  # [T, W]: row of (token, rank) in send order, or -1
             picked = recv_probs[:slots, :L][returned.clamp(min=0)]  # [T, W, L]
