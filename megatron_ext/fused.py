@@ -70,8 +70,19 @@ def _grid(t: torch.Tensor, blocks: int) -> int:
     return max(1, min(blocks, _programs(t.device.index if t.is_cuda else None)))
 
 
+# Host-side sizes. Triton's own `cdiv` and `next_power_of_2` are constexpr functions whose
+# wrapper costs the host microseconds per call, a dozen times per dispatch; these are plain ints.
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _next_pow2(n: int) -> int:
+    """The least power of two >= n (1 for n <= 1)."""
+    return 1 << max(0, n - 1).bit_length()
+
+
 def _pow2(n: int, cap: int) -> int:
-    return min(cap, triton.next_power_of_2(max(1, n)))
+    return min(cap, _next_pow2(n))
 
 
 def _output(
@@ -406,7 +417,7 @@ def activation_probs(h: torch.Tensor, probs: torch.Tensor, n: torch.Tensor, *, g
     out = torch.empty(rows, F, dtype=h.dtype, device=h.device)
     block_f = _pow2(F, 1024)
     block_r = max(1, 2048 // block_f)
-    programs = _grid(h, triton.cdiv(rows, block_r))
+    programs = _grid(h, _cdiv(rows, block_r))
     _activation_probs_kernel[(programs,)](
         h, probs, out, n, F, GATED=gated, ACT=activation, BLOCK_R=block_r, BLOCK_F=block_f, PROGRAMS=programs
     )
@@ -430,7 +441,7 @@ def activation_probs_backward(
     grad_probs = torch.zeros(rows, dtype=torch.float32, device=h.device)
     block_f = _pow2(F, 512)
     block_r = max(1, 1024 // block_f)
-    programs = _grid(h, triton.cdiv(rows, block_r))
+    programs = _grid(h, _cdiv(rows, block_r))
     _activation_probs_backward_kernel[(programs,)](
         grad,
         h,
@@ -501,7 +512,7 @@ def _gather(src, index, n, out, values):
     out = _output(out, C, H, src.dtype, src.device, row_stride=True)
     block_h = _pow2(H, 1024)
     block_r = max(1, 4096 // block_h)
-    programs = _grid(src, triton.cdiv(C, block_r))
+    programs = _grid(src, _cdiv(C, block_r))
     if values is None:  # the value arguments are not read
         table, codes, gathered, L, stride = index, index, index, 1, 0
     else:
@@ -557,7 +568,7 @@ def _map_bytes(local_map: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 
 def _token_block(num_local: int) -> int:
-    return max(16, min(256, 4096 // triton.next_power_of_2(num_local)))
+    return max(16, min(256, 4096 // _next_pow2(num_local)))
 
 
 def block_counts(local_map: torch.Tensor) -> torch.Tensor:
@@ -571,10 +582,10 @@ def block_counts(local_map: torch.Tensor) -> torch.Tensor:
     data, stride = _map_bytes(local_map)
     num_tokens, num_local = local_map.shape
     block = _token_block(num_local)
-    blocks = max(1, triton.cdiv(num_tokens, block))
+    blocks = max(1, _cdiv(num_tokens, block))
     counts = torch.empty(blocks, num_local, dtype=torch.int32, device=local_map.device)
     _block_counts_kernel[(blocks,)](
-        data, counts, num_tokens, stride, L=num_local, L_P2=triton.next_power_of_2(num_local), BLOCK_N=block
+        data, counts, num_tokens, stride, L=num_local, L_P2=_next_pow2(num_local), BLOCK_N=block
     )
     return counts
 
@@ -629,9 +640,9 @@ def dispatch_layout(
         pad_multiple or 1,
         blocks,
         L=num_local,
-        L_P2=triton.next_power_of_2(num_local),
+        L_P2=_next_pow2(num_local),
         BLOCK_N=_token_block(num_local),
-        BLOCK_B=max(1, 4096 // triton.next_power_of_2(num_local)),
+        BLOCK_B=max(1, 4096 // _next_pow2(num_local)),
         BLOCK_S=1024,
         HAS_SLOTS=slot_of_token is not None,
     )
@@ -702,7 +713,7 @@ def _sum_rows(rows, table, dtype, out, values, values_out):
         return out if values is None else (out, values_out)
     block_h = _pow2(H, 1024)
     has_values = values is not None
-    _sum_rows_per_slot_kernel[(slots, triton.cdiv(H, block_h))](
+    _sum_rows_per_slot_kernel[(slots, _cdiv(H, block_h))](
         rows,
         table,
         out,
@@ -711,7 +722,7 @@ def _sum_rows(rows, table, dtype, out, values, values_out):
         values_out.stride(0) if has_values else 0,
         H,
         L=L,
-        L_P2=triton.next_power_of_2(L),
+        L_P2=_next_pow2(L),
         BLOCK_H=block_h,
         HAS_VALUES=has_values,
     )

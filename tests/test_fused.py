@@ -317,3 +317,12 @@ def test_activation_codes_name_only_what_the_kernels_compute():
 
 def test_enabled_for_cuda_or_the_interpreter_only():
     assert fused.enabled_for(torch.zeros(1)) == fused.interpreting()
+
+
+def test_host_sizes_match_tritons():
+    """The plain-int `_cdiv` and `_next_pow2` that size launches give what Triton's own give."""
+    for n in range(1, 5000):
+        assert fused._next_pow2(n) == fused.triton.next_power_of_2(n), n
+        for d in (1, 3, 16, 1024):
+            assert fused._cdiv(n, d) == fused.triton.cdiv(n, d), (n, d)
+    assert fused._next_pow2(0) == 1 and fused._cdiv(0, 4) == 0
