@@ -361,7 +361,7 @@ class HybridEPCapacityManager:
             return
         factor = self.options.capacity_factor
         torch._assert_async(
-            overflow[0] == 0,
+            overflow.eq(0),  # the one-element flag as it is (indexing it would cost the host a view)
             device_message(
                 f"megatron-ext: {self.name}: dispatch needed more than its capacity of {self.capacity} rows "
                 f"({self.calibrated_rows} calibrated x {factor}); stopped rather than train on truncated tokens. "
