@@ -7,6 +7,10 @@
 #   host:  the host time of the buffer's calls, this tree against .baseline/, alternately
 #          (host_calls.py); the round trip likewise; the kernel and buffer GPU tests, the NVSHMEM test.
 #   tests: the GPU tests of the layers, experts, recovery, deep_ep's buffer and layers; the large bench.
+#   two-gpu: for two H200s (the nvidia-h200-x2 kind): the tests across GPU ranks, the round trip at
+#          two ranks with each transport (GB/s against all_to_all_single), the large bench at EP 2.
+# What ran: nothing. No device was lent in the sixth session ("no new device machine is lent at
+# present" at its first call); the stages wait for a later session.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 CUDA_HOME=/usr/local/cuda PATH=/usr/local/cuda/bin:$PATH
 export HYBRID_EP_CACHE_DIR=/tmp/hybrid_ep_jit
@@ -60,5 +64,18 @@ case ${1:-} in
         --no-progress --json "$OUT/large.json" 2>&1 | grep -v Warning
     } > "$OUT/tests.log" 2>&1
     grep -hE "^=== |passed|failed|rror|^(megatron|blocking|capacity|deep_ep|mode )|OK|FAIL" "$OUT/tests.log" | head -90 ;;
-  *) echo "usage: $0 host|tests" >&2; exit 2 ;;
+  two-gpu)
+    {
+      tests 200 tests/test_gpu_ranks.py
+      for transport in process_group nvshmem; do
+        echo "=== roundtrip, 2 ranks, transport $transport $(date -u +%H:%M:%S)"
+        timeout 120 torchrun --standalone --nproc-per-node 2 -m megatron_ext.tooling.roundtrip --backend nccl \
+          --iters 20 --tokens 8192 --hidden 4096 --experts 64 --topk 8 --transport $transport 2>&1 | grep -v Warning
+      done
+      echo "=== bench ep2-large $(date -u +%H:%M:%S)"
+      timeout 300 python3 -m megatron_ext.bench $LARGE --check-steps 1 --steps 5 --repeat 3 --modes $ALL \
+        --no-progress --json "$OUT/ep2-large.json" 2>&1 | grep -v Warning
+    } > "$OUT/two-gpu.log" 2>&1
+    grep -hE "^=== |passed|failed|GB/s|transport|on the GPU|^(megatron|blocking|capacity|deep_ep|mode )|OK|FAIL" "$OUT/two-gpu.log" ;;
+  *) echo "usage: $0 host|tests|two-gpu" >&2; exit 2 ;;
 esac
