@@ -93,9 +93,11 @@ def _output(
     if out is None:
         return torch.empty(rows, width, dtype=dtype, device=device)
     laid_out = (width == 1 or out.stride(1) == 1) and out.stride(0) >= width if row_stride else out.is_contiguous()
-    if not (laid_out and out.dtype == dtype and out.shape[0] >= rows and out.shape[1] == width):
+    if not (
+        laid_out and out.dtype == dtype and out.device == device and out.shape[0] >= rows and out.shape[1] == width
+    ):
         kind = "a [>= {}, {}] {} tensor with contiguous columns" if row_stride else "a contiguous [>= {}, {}] {} tensor"
-        raise ValueError(f"fused: `out` must be {kind.format(rows, width, dtype)}")
+        raise ValueError(f"fused: `out` must be {kind.format(rows, width, dtype)} on {device}")
     return out
 
 
@@ -477,14 +479,19 @@ def gather_rows(
 
 
 def gather_rows_and_values(
-    src: torch.Tensor, index: torch.Tensor, n: torch.Tensor, table: torch.Tensor, codes: torch.Tensor
+    src: torch.Tensor,
+    index: torch.Tensor,
+    n: torch.Tensor,
+    table: torch.Tensor,
+    codes: torch.Tensor,
+    out: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`gather_rows` and, in the same launch, one value per row: `values[r] = table[codes[r] // L,
     codes[r] % L]` for every r < C (past n too), 0 where `codes[r] >= table.numel()` (a padding or
     spare row). The rows and probs of a dispatch in one pass.
 
     Args:
-        src, index, n: as in `gather_rows`.
+        src, index, n, out: as in `gather_rows`.
         table: `[S_t, L]`, columns contiguous, rows of any stride (a column slice of a wider buffer
             is read as it is). codes: `[C]` integer, values >= 0.
 
@@ -492,7 +499,7 @@ def gather_rows_and_values(
         (`[C, H]` rows as in `gather_rows`, `[C]` values in table's dtype)
     """
     _check_table(table, codes, index.shape[0])
-    return _gather(src, index, n, None, (table, codes))
+    return _gather(src, index, n, out, (table, codes))
 
 
 def _check_table(table: torch.Tensor, codes: torch.Tensor, rows: int) -> None:
@@ -692,14 +699,17 @@ def sum_rows_per_slot_and_values(
     if not (
         values.shape == (rows.shape[0],)
         and values_out.dtype == values.dtype
+        and values_out.device == values.device
         and values_out.shape[0] >= slots
         and values_out.shape[1] == L
         and (L == 1 or values_out.stride(1) == 1)
+        and values_out.stride(0) >= L  # rows that do not overlap
     ):
         raise ValueError(
             f"fused: `values` must be [{rows.shape[0]}] (one per row) and `values_out` a [>= {slots}, {L}] "
-            f"{values.dtype} tensor with contiguous columns; got values of shape {tuple(values.shape)}, "
-            f"values_out {values_out.dtype} of shape {tuple(values_out.shape)} and strides {values_out.stride()}"
+            f"{values.dtype} tensor on {values.device} with contiguous columns and rows apart; got values of "
+            f"shape {tuple(values.shape)}, values_out {values_out.dtype} on {values_out.device} of shape "
+            f"{tuple(values_out.shape)} and strides {values_out.stride()}"
         )
     return _sum_rows(rows, table, dtype, out, values.contiguous(), values_out)
 

@@ -92,10 +92,12 @@ def test_gather_rows_copies_the_first_n_rows_exactly(device, dtype, rows, n, wid
     gen = torch.Generator().manual_seed(rows + n + width)
     src = torch.randn(20, width, generator=gen).to(device=device, dtype=dtype)
     index = torch.randint(0, 20, (rows,), generator=gen)
-    index[n:] = 10**9  # never read
     out = fused.gather_rows(src, index.to(device), _count(n, device))
     assert out.shape == (rows, width) and out.dtype == dtype
     assert torch.equal(out[:n], src[index[:n].to(device)])
+    given = torch.full((rows, width), 7.0, dtype=dtype, device=device)  # real rows past n: still unwritten
+    fused.gather_rows(src, index.to(device), _count(n, device), out=given)
+    assert torch.equal(given[:n], out[:n]) and bool((given[n:] == 7.0).all()), "rows past n were written"
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -117,18 +119,21 @@ def test_gather_rows_and_values_gives_every_rows_value_and_zero_past_the_table(d
     src = torch.randn(20, 24, generator=gen).to(device=device, dtype=torch.bfloat16)
     index = torch.randint(0, 21, (3000,), generator=gen)  # 20: a padding row
     n = 1700
-    index[n:] = 10**9  # never read
     wide = torch.randn(7, table_width, generator=gen)
     table = wide[:, :5]
     codes = torch.randint(0, 45, (3000,), generator=gen)  # 35 and beyond: past the table
     expected = torch.where(codes < 35, table.flatten()[codes.clamp(max=34)], 0.0)
+    index[n:] = 5  # a real row: the rows past n must still not be written
+    out = torch.full((3000, 24), 7.0, dtype=torch.bfloat16, device=device)
     rows, values = fused.gather_rows_and_values(
-        src, index.to(device), _count(n, device), wide.to(device)[:, :5], codes.to(device)
+        src, index.to(device), _count(n, device), wide.to(device)[:, :5], codes.to(device), out=out
     )
+    assert rows is out
     assert torch.equal(values.cpu(), expected)
     padded_src = torch.cat([src.cpu(), torch.zeros(1, 24, dtype=torch.bfloat16)])
     assert torch.equal(rows[:n].cpu(), padded_src[index[:n]])
-    assert rows.shape == (3000, 24) and values.shape == (3000,) and values.dtype == torch.float32
+    assert bool((rows[n:] == 7.0).all()), "rows past n were written"
+    assert values.shape == (3000,) and values.dtype == torch.float32
 
 
 def test_gather_rows_and_values_refuses_a_table_it_cannot_read():
@@ -262,12 +267,43 @@ def test_sum_rows_per_slot_and_values_gives_each_slots_values_by_expert(device, 
     assert fresh.shape == (slots, experts) and torch.equal(fresh.cpu(), expected)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("factor", [1.5, 0.6])  # 0.6: the tail truncated, its slots' entries -1
+def test_combine_probs_by_slot_equal_a_scatter_over_a_real_layout(device, factor):
+    """On a layout `dispatch_layout` made (padding, spare rows, bounded slots, truncation), the probs
+    by slot equal what the torch path scatters: each row's prob at its (slot, expert), 0 elsewhere."""
+    gen = torch.Generator().manual_seed(int(factor * 10))
+    tokens, local, pad = 96, 6, 4
+    chosen = torch.rand(tokens, 4 * local, generator=gen).topk(5, dim=1).indices
+    local_map = torch.zeros(tokens, 4 * local, dtype=torch.bool).scatter_(1, chosen, True)[:, local : 2 * local]
+    received = local_map.any(dim=1)
+    slot_of_token = torch.cumsum(received, dim=0) - 1
+    total = sum(-(-int(c) // pad) * pad for c in local_map.sum(dim=0))
+    capacity = int(total * factor) // pad * pad
+    on_device = local_map.to(device)
+    layout = fused.dispatch_layout(
+        on_device, fused.block_counts(on_device), capacity, pad, tokens, slot_of_token.to(device), spare_slots=True
+    )
+    probs = torch.rand(capacity, generator=gen)
+    rows = torch.randn(capacity, 8, generator=gen)
+    scattered = torch.zeros(tokens + 1, local)  # the torch path: row codes into a table, one spare slot
+    scattered.view(-1)[layout.row_code.cpu()] = probs
+    _, by_slot = fused.sum_rows_per_slot_and_values(rows.to(device), layout.slot_rows, torch.float32, probs.to(device))
+    assert torch.equal(by_slot.cpu(), scattered[:tokens])
+    if factor < 1:
+        assert int(layout.overflow.cpu()) == 1 and bool((layout.slot_rows.cpu() == -1).any())
+
+
 def test_sum_rows_per_slot_and_values_refuses_values_it_cannot_take():
     rows, table = torch.zeros(6, 8), torch.zeros(3, 2, dtype=torch.int32)
     with pytest.raises(ValueError, match=r"`values` must be \[6\] \(one per row\)"):
         fused.sum_rows_per_slot_and_values(rows, table, torch.float32, torch.zeros(5))
     with pytest.raises(ValueError, match="contiguous columns"):
         fused.sum_rows_per_slot_and_values(rows, table, torch.float32, torch.zeros(6), values_out=torch.zeros(2, 3).t())
+    with pytest.raises(ValueError, match="rows apart"):  # overlapping rows: programs would race
+        fused.sum_rows_per_slot_and_values(
+            rows, table, torch.float32, torch.zeros(6), values_out=torch.zeros(1, 2).expand(3, 2)
+        )
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -51,24 +51,33 @@ class _Recorder:
         return lambda *args, **kwargs: self.launches.append((self.kernel, args, kwargs))
 
 
-def _types(kernel, args, kwargs) -> tuple[dict, dict]:
-    """One recorded launch as Triton's compiler takes it: each argument's type, the constexprs."""
+def _types(kernel, args, kwargs) -> tuple[dict, dict, dict]:
+    """One recorded launch as Triton's compiler takes it: each argument's type, the constexprs, and
+    the divisibility by 16 that Triton's launcher assumes of a pointer or an int where it holds (its
+    vectorised variants: what a GPU compiles for aligned tensors)."""
+    from triton.backends.compiler import BaseBackend
+
     values = dict(zip(kernel.arg_names, args), **kwargs)
-    signature, constexprs = {}, {}
+    signature, constexprs, attrs = {}, {}, {}
     for param in kernel.params:
         value = values[param.name]
         if param.is_constexpr:
             signature[param.name] = "constexpr"
             constexprs[param.name] = value
-        elif isinstance(value, torch.Tensor):
+            continue
+        if isinstance(value, torch.Tensor):
             signature[param.name] = POINTER_TYPES[value.dtype]
+            divisible = value.data_ptr() % 16 == 0
         elif isinstance(value, bool):
-            signature[param.name] = "i1"
+            signature[param.name], divisible = "i1", False
         elif isinstance(value, int):
             signature[param.name] = "i32" if -(2**31) <= value < 2**31 else "i64"
+            divisible = value % 16 == 0
         else:
             raise AssertionError(f"{kernel.fn.__name__}: no Triton type for {param.name}={value!r}")
-    return signature, constexprs
+        if divisible:
+            attrs[(param.num,)] = BaseBackend.parse_attr("D")
+    return signature, constexprs, attrs
 
 
 def _call_every_wrapper():
@@ -89,6 +98,18 @@ def _call_every_wrapper():
         table = torch.randint(-1, 12, (6, 3), generator=gen, dtype=torch.int32)
         fused.sum_rows_per_slot(src, table, dtype)
         fused.sum_rows_per_slot_and_values(src[:12], table, dtype, torch.rand(12), values_out=torch.rand(6, 8)[:, :3])
+    # The large bench's sizes: H 4096 bf16, FFN 1024, 32 local experts (the widest blocks).
+    big = torch.randn(8, 4096, generator=gen).to(torch.bfloat16)
+    fused.gather_rows_and_values(big, index[:8], n, torch.rand(16, 32), index[:8])
+    fused.sum_rows_per_slot_and_values(
+        big, torch.randint(-1, 8, (4, 32), generator=gen, dtype=torch.int32), big.dtype, torch.rand(8)
+    )
+    fused.activation_probs(
+        torch.randn(8, 2048, generator=gen).to(torch.bfloat16), torch.rand(8), n, gated=True, activation=fused.SILU
+    )
+    fused.dispatch_layout(
+        torch.rand(64, 256, generator=gen)[:, 32:64] < 0.1, torch.zeros(1, 32, dtype=torch.int32), 96, 128, 64
+    )
     local_map = torch.rand(64, 16, generator=gen) < 0.3
     counts = torch.zeros(4, 4, dtype=torch.int32)  # the counts' values are not read when recording
     fused.block_counts(local_map[:, 4:8])
@@ -120,11 +141,12 @@ def test_every_launch_compiles_for_the_gpu(monkeypatch, arch):
 
     launches = {}
     for kernel, args, kwargs in _recorded_launches(monkeypatch):
-        signature, constexprs = _types(kernel, args, kwargs)
-        launches[(kernel.fn.__name__, repr(signature), repr(constexprs))] = (kernel, signature, constexprs)
+        signature, constexprs, attrs = _types(kernel, args, kwargs)
+        key = (kernel.fn.__name__, repr(signature), repr(constexprs), repr(attrs))
+        launches[key] = (kernel, signature, constexprs, attrs)
     failed = []
-    for (name, signature, constexprs), (kernel, types, values) in launches.items():
-        source = ASTSource(fn=kernel, signature=types, constexprs=values)
+    for (name, signature, constexprs, _), (kernel, types, values, attrs) in launches.items():
+        source = ASTSource(fn=kernel, signature=types, constexprs=values, attrs=attrs)
         try:
             compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32))
         except Exception as exc:  # the compiler's error names the line; report every failing launch

@@ -2,7 +2,12 @@
 (one H200, one NCCL rank, the large bench's shape). Every loop runs behind a GPU sleep, so no
 launch waits for the GPU: the times are the host's own. Run from the repository root with
 PYTHONPATH=.: `python docs/results/h200-2026-12-01/host_split.py`. Prints microseconds per call
-of the whole dispatch and of each part it is made of, then a cProfile of whole calls."""
+of the whole dispatch and of each part it is made of, then a cProfile of whole calls.
+
+A record of the fifth session: it times parts of that session's tree (2568dee), among them
+`fused.gather_values`, which 0.1.0.dev6 removed; run it against that tree (`PYTHONPATH=.baseline`
+with `git archive 2568dee megatron_ext | tar -x -C .baseline`). host_calls.py times whole calls
+of any tree."""
 
 import cProfile
 import os
