@@ -86,18 +86,32 @@ def _pow2(n: int, cap: int) -> int:
 
 
 def _output(
-    out: Optional[torch.Tensor], rows: int, width: int, dtype: torch.dtype, device, row_stride: bool = False
+    out: Optional[torch.Tensor],
+    rows: int,
+    width: int,
+    dtype: torch.dtype,
+    device,
+    row_stride: bool = False,
+    name: str = "out",
 ) -> torch.Tensor:
     """A new `[rows, width]` tensor, or `out` when it can take that many rows (a caller's buffer;
-    `row_stride`: its rows may be further apart than `width`, a column slice of a wider buffer)."""
+    `row_stride`: its rows may be further apart than `width`, a column slice of a wider buffer, but
+    may not overlap). `name`: the argument's name in the error."""
     if out is None:
         return torch.empty(rows, width, dtype=dtype, device=device)
     laid_out = (width == 1 or out.stride(1) == 1) and out.stride(0) >= width if row_stride else out.is_contiguous()
     if not (
         laid_out and out.dtype == dtype and out.device == device and out.shape[0] >= rows and out.shape[1] == width
     ):
-        kind = "a [>= {}, {}] {} tensor with contiguous columns" if row_stride else "a contiguous [>= {}, {}] {} tensor"
-        raise ValueError(f"fused: `out` must be {kind.format(rows, width, dtype)} on {device}")
+        kind = (
+            "a [>= {}, {}] {} tensor with contiguous columns and rows apart"
+            if row_stride
+            else "a contiguous [>= {}, {}] {} tensor"
+        )
+        raise ValueError(
+            f"fused: `{name}` must be {kind.format(rows, width, dtype)} on {device}; got {out.dtype} on "
+            f"{out.device} of shape {tuple(out.shape)} and strides {out.stride()}"
+        )
     return out
 
 
@@ -693,24 +707,10 @@ def sum_rows_per_slot_and_values(
     Returns:
         (`out`, `values_out`: `[S, L]` when new)
     """
+    if values.shape != (rows.shape[0],):
+        raise ValueError(f"fused: `values` must be [{rows.shape[0]}] (one per row); got {tuple(values.shape)}")
     slots, L = table.shape
-    if values_out is None:
-        values_out = torch.empty(slots, L, dtype=values.dtype, device=values.device)
-    if not (
-        values.shape == (rows.shape[0],)
-        and values_out.dtype == values.dtype
-        and values_out.device == values.device
-        and values_out.shape[0] >= slots
-        and values_out.shape[1] == L
-        and (L == 1 or values_out.stride(1) == 1)
-        and values_out.stride(0) >= L  # rows that do not overlap
-    ):
-        raise ValueError(
-            f"fused: `values` must be [{rows.shape[0]}] (one per row) and `values_out` a [>= {slots}, {L}] "
-            f"{values.dtype} tensor on {values.device} with contiguous columns and rows apart; got values of "
-            f"shape {tuple(values.shape)}, values_out {values_out.dtype} on {values_out.device} of shape "
-            f"{tuple(values_out.shape)} and strides {values_out.stride()}"
-        )
+    values_out = _output(values_out, slots, L, values.dtype, values.device, row_stride=True, name="values_out")
     return _sum_rows(rows, table, dtype, out, values.contiguous(), values_out)
 
 

@@ -376,13 +376,12 @@ class TorchHybridEPBuffer:
         self._check_hidden(hidden, "hidden")
         _check(not use_fp8, "use_fp8", "False (no fp8 dispatch in the PyTorch HybridEP buffer)", use_fp8)
         _check(scaling_factor is None, "scaling_factor", "None (no fp8 dispatch)", scaling_factor)
-        map_bytes = 0
+        map_bytes, row_bytes = 0, hidden.shape[1] * hidden.element_size()
         if handle is None:
             routing_map, probs = self._resolve_routing(
                 hidden, routing_map, probs, topk_idx, topk_weights, num_of_experts, num_of_experts_per_rank
             )
             capacity = self._check_capacity(num_permuted_tokens, pad_multiple, non_blocking)
-            row_bytes = hidden.shape[1] * hidden.element_size()
             handle = self._plan(routing_map, capacity, pad_multiple, non_blocking, row_bytes)
             map_bytes = (self.world_size - 1) * routing_map.numel()
         else:
@@ -403,7 +402,6 @@ class TorchHybridEPBuffer:
             if probs is not None:
                 self._check_probs(probs, handle.num_tokens, self.world_size * self.num_local_experts)
         rows, row_probs, rows_elsewhere = self._move_rows(hidden, probs, handle)
-        row_bytes = hidden.shape[1] * hidden.element_size()
         self._dispatch_traffic = (
             map_bytes,
             rows_elsewhere,
@@ -743,7 +741,7 @@ class TorchHybridEPBuffer:
         """
         self._check_handle(handle, "handle")
         self._check_hidden(hidden, "hidden")
-        capacity, T, W, L = handle.capacity, handle.num_tokens, self.world_size, self.num_local_experts
+        capacity = handle.capacity
         _check(hidden.shape[0] == capacity, "hidden", f"[{capacity}, H] (the dispatch's rows)", hidden)
         if pad_multiple is not None:
             _check(
@@ -759,23 +757,28 @@ class TorchHybridEPBuffer:
                 f"a float32 tensor of shape [{capacity}]",
                 probs,
             )
-        width, elt = hidden.shape[1], hidden.element_size()
+        tokens, token_probs, rows_elsewhere = self._combine_rows(hidden, probs, handle)
+        self._combine_traffic = (
+            0,
+            rows_elsewhere,
+            hidden.shape[1] * hidden.element_size(),
+            0 if probs is None else _probs_row_bytes(handle, self.num_local_experts),
+        )
+        return tokens, token_probs
 
-        # 1. On the expert's rank: one float32 partial per received token, experts in order. The
-        # fused kernel gathers each token's rows (only the rows that exist are read); the torch path
-        # accumulates every row, padding rows into discarded slots.
-        # 2. Partials back to their source ranks; 3. summed there in rank order, in float32 (by a
-        # gather per token where the fused kernels run, else by accumulation).
-        fused_kernels = handle.slot_rows is not None
+    def _combine_rows(self, hidden, probs, handle: HybridEPHandle):
+        """Sum each token's rows and bring the sums (and probs) back to the token's rank.
+        Returns (tokens, probs, rows sent to other ranks).
+
+        1. On the expert's rank: one float32 partial per received token, experts in order. The
+        fused kernel gathers each token's rows (only the rows that exist are read); the torch path
+        accumulates every row, padding rows into discarded slots.
+        2. Partials back to their source ranks; 3. summed there in rank order, in float32 (by a
+        gather per token where the fused kernels run, else by accumulation)."""
         if handle.send_counts is not None:
-            tokens, token_probs, rows_elsewhere = self._combine_exact_rows(hidden, probs, handle)
-            self._combine_traffic = (
-                0,
-                rows_elsewhere,
-                width * elt,
-                0 if probs is None else _probs_row_bytes(handle, L),
-            )
-            return tokens, token_probs
+            return self._combine_exact_rows(hidden, probs, handle)
+        T, W, L, width = handle.num_tokens, self.world_size, self.num_local_experts, hidden.shape[1]
+        fused_kernels = handle.slot_rows is not None
         table = None  # the probs per slot, by local expert
         if fused_kernels and probs is not None:
             partial, table = fused.sum_rows_per_slot_and_values(hidden, handle.slot_rows, hidden.dtype, probs)
@@ -811,8 +814,7 @@ class TorchHybridEPBuffer:
                 token_probs = torch.zeros(T, W, L, dtype=torch.float32, device=probs.device)
                 token_probs[handle.send_token, handle.send_dest] = back_probs
                 token_probs = token_probs.view(T, W * L)
-        self._combine_traffic = (0, rows_elsewhere, width * elt, 0 if probs is None else L * 4)
-        return tokens, token_probs
+        return tokens, token_probs, rows_elsewhere
 
     def _combine_exact_rows(self, hidden, probs, handle: HybridEPHandle):
         """combine for a dispatch that sent exact rows: the partials of each received token go back
