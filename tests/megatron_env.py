@@ -121,7 +121,8 @@ def assert_same_steps(expected, actual, what: str = "") -> None:
 
 
 _OVERFLOW_SCRIPT = """
-import os, torch, torch.distributed as dist
+import faulthandler, os, torch, torch.distributed as dist
+faulthandler.dump_traceback_later({dump_after}, exit=True)  # a hang shows where it hangs, then ends
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="{port}", RANK="0", WORLD_SIZE="1")
 torch.cuda.set_device(0)
 dist.init_process_group("nccl")
@@ -145,23 +146,36 @@ print("NO FAILURE")
 def overflow_on_the_device(overrides: dict, tokens: int, hidden: int, capacity: int, port: int) -> str:
     """Run, in a fresh process on GPU 0, a capacity-mode layer whose capacity is then set to
     `capacity` rows; assert that the process ended at the device-side assert with the layer's
-    message, and return its output. (A device assert ends the process: it cannot run in pytest's.)"""
+    message, and return its output. (A device assert ends the process: it cannot run in pytest's.)
+    A process that has not ended after MEGATRON_EXT_TEST_CHILD_TIMEOUT seconds (240) dumps its
+    Python stacks, is ended, and fails the test with its output."""
     import os
     import subprocess
     import sys
 
-    script = _OVERFLOW_SCRIPT.format(port=port, overrides=overrides, tokens=tokens, hidden=hidden, capacity=capacity)
-    result = subprocess.run(
-        [sys.executable, "-c", script],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    timeout = float(os.environ.get("MEGATRON_EXT_TEST_CHILD_TIMEOUT", "240"))
+    script = _OVERFLOW_SCRIPT.format(
+        port=port, overrides=overrides, tokens=tokens, hidden=hidden, capacity=capacity, dump_after=timeout - 15
     )
+    try:
+        result = subprocess.run(
+            [sys.executable, "-c", script],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        )
+    except subprocess.TimeoutExpired as stopped:
+        output = "".join(
+            part.decode() if isinstance(part, bytes) else part or "" for part in (stopped.stdout, stopped.stderr)
+        )
+        raise AssertionError(f"the overflowing layer's process ran past {timeout:.0f} s:\n{output[-6000:]}") from None
     output = result.stdout + result.stderr
     print("\n".join(line for line in output.splitlines() if "megatron-ext" in line or "Assertion" in line))
     assert result.returncode != 0 and "NO FAILURE" not in output, output[-3000:]
-    assert f"capacity of {capacity} rows" in output, "the device-side assert did not carry the layer's message"
+    assert f"capacity of {capacity} rows" in output, (
+        f"the device-side assert did not carry the layer's message:\n{output[-6000:]}"
+    )
     return output
 
 

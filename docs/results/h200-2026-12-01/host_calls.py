@@ -1,11 +1,14 @@
 """Host microseconds of one TorchHybridEPBuffer call, through the public API only, so that two
 trees can be compared side by side: run it once per tree, alternately, from the repository root:
-`PYTHONPATH=TREE python docs/results/h200-2026-12-01/host_calls.py LABEL`.
+`PYTHONPATH=TREE python docs/results/h200-2026-12-01/host_calls.py LABEL [ORDER]`.
 
 One H200, one NCCL rank, the large bench's shape (T 8192, H 4096, E 64, top-8, bf16, capacity
 1.5 x the routed rows). Each loop runs behind a GPU sleep, so no launch waits for the GPU: the
 times are the host's own. Prints, per call, the median and the lowest of 5 loops of 100 calls
-(microseconds per call)."""
+(microseconds per call). ORDER: the buffers' reuse settings in the order they are timed, "01"
+(the default: without reuse, then with it) or "10". At one rank both take the same code (the
+routing-map "gather" returns the map), yet in the seventh session the second buffer's first call
+timed 1.6x the first's; timing both orders tells the order from the setting."""
 
 import os
 import statistics
@@ -19,6 +22,7 @@ import megatron_ext
 from megatron_ext.hybridep import TorchHybridEPBuffer
 
 LABEL = sys.argv[1] if len(sys.argv) > 1 else "tree"
+ORDER = [bool(int(c)) for c in (sys.argv[2] if len(sys.argv) > 2 else "01")]
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29579", RANK="0", WORLD_SIZE="1")
 torch.cuda.set_device(0)
 dist.init_process_group("nccl")
@@ -71,7 +75,7 @@ def calls(buf):
     }
 
 
-for reuse in (False, True):
+for reuse in ORDER:
     for name, fn in calls(TorchHybridEPBuffer(dist.group.WORLD, H, T, E, reuse_allgather_buffer=reuse)).items():
         median, lowest = host_us(fn)
         print(f"{LABEL:9s} reuse={int(reuse)}  {median:7.1f} us median  {lowest:7.1f} lowest  {name}")

@@ -9,8 +9,9 @@
 #   tests: the GPU tests of the layers, experts, recovery, deep_ep's buffer and layers; the large bench.
 #   two-gpu: for two H200s (the nvidia-h200-x2 kind): the tests across GPU ranks, the round trip at
 #          two ranks with each transport (GB/s against all_to_all_single), the large bench at EP 2.
-# What ran: nothing. No device was lent in the sixth session ("no new device machine is lent at
-# present" at its first call); the stages wait for a later session.
+# What ran: nothing in the sixth session (no device was lent). In the seventh, at 5845db1: `host`
+# (s7-call1-host.log) and `tests` (s7-call2-tests.log, which ran out of its 600 s in deep_ep's tests;
+# its bench was run again by session7.sh). `two-gpu` waits for a two-H200 machine.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 CUDA_HOME=/usr/local/cuda PATH=/usr/local/cuda/bin:$PATH
 export HYBRID_EP_CACHE_DIR=/tmp/hybrid_ep_jit
