@@ -154,9 +154,11 @@ def overflow_on_the_device(overrides: dict, tokens: int, hidden: int, capacity: 
     import sys
 
     timeout = float(os.environ.get("MEGATRON_EXT_TEST_CHILD_TIMEOUT", "240"))
+    dump_after = timeout - min(15, timeout / 10)  # the child dumps its stacks and ends itself first
     script = _OVERFLOW_SCRIPT.format(
-        port=port, overrides=overrides, tokens=tokens, hidden=hidden, capacity=capacity, dump_after=timeout - 15
+        port=port, overrides=overrides, tokens=tokens, hidden=hidden, capacity=capacity, dump_after=dump_after
     )
+    stuck = f"the overflowing layer's process had not ended after {dump_after:.0f} s (MEGATRON_EXT_TEST_CHILD_TIMEOUT)"
     try:
         result = subprocess.run(
             [sys.executable, "-c", script],
@@ -165,12 +167,13 @@ def overflow_on_the_device(overrides: dict, tokens: int, hidden: int, capacity: 
             timeout=timeout,
             cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
         )
-    except subprocess.TimeoutExpired as stopped:
+    except subprocess.TimeoutExpired as stopped:  # not even the dump ended it
         output = "".join(
             part.decode() if isinstance(part, bytes) else part or "" for part in (stopped.stdout, stopped.stderr)
         )
-        raise AssertionError(f"the overflowing layer's process ran past {timeout:.0f} s:\n{output[-6000:]}") from None
+        raise AssertionError(f"{stuck}:\n{output[-6000:]}") from None
     output = result.stdout + result.stderr
+    assert "Timeout (" not in output, f"{stuck}:\n{output[-6000:]}"  # faulthandler's dump ended it
     print("\n".join(line for line in output.splitlines() if "megatron-ext" in line or "Assertion" in line))
     assert result.returncode != 0 and "NO FAILURE" not in output, output[-3000:]
     assert f"capacity of {capacity} rows" in output, (
