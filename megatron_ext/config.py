@@ -70,7 +70,21 @@ class HybridEPTransformerConfig(TransformerConfig):
     the choice is logged."""
 
     def __post_init__(self):
-        super().__post_init__()
+        # Megatron refuses `--cuda-graph-modules moe` for every MoE but drop-and-pad ones (a dropless
+        # layer reads its counts on the host). Capacity mode with equal token counts reads none after
+        # calibration: for it alone, `moe` is left out of the list while Megatron's checks run.
+        lift = options.graphs_dropless_moe(self)
+        if lift:
+            modules = self.cuda_graph_modules
+            modules = [modules] if isinstance(modules, str) else modules
+            self.cuda_graph_modules = [m for m in modules if getattr(m, "name", m) != "moe"]
+        try:
+            super().__post_init__()
+        finally:
+            if lift:
+                from megatron.core.transformer.enums import CudaGraphModule
+
+                self.cuda_graph_modules = [*self.cuda_graph_modules, CudaGraphModule.moe]
         options.validate(self)
 
 

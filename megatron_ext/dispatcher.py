@@ -20,6 +20,14 @@ deep_ep installed it is Megatron's own `MoEFlexTokenDispatcher`, unchanged. Othe
 * Recompute. A forward that ran without grad (Megatron's activation checkpointing) is replayed in
   the backward; if it was the calibration dispatch, the replay is blocking again, so the
   recomputed layer has the rows the forward had.
+* CUDA graphs. After calibration a capacity-mode dispatch with equal token counts is capturable:
+  what a replay must update (the rows used, the overflow count) lives in `DeviceCounters`,
+  allocated at calibration and written in place, and no tensor with autograd history outlives the
+  step that made it (one kept across steps ties the captured backward to the eager step's stream).
+  A graph freezes the capacity and the non-blocking branch: anything that changes them (growth, a
+  blocking re-run) happens outside the graph, and whoever captured it must drop it then
+  (`megatron_ext.recovery` does for Megatron's graphs). Host work attempted under capture (a
+  blocking dispatch, calibration, growth, the uneven-count pad) raises `GraphCaptureError`.
 
 Names: a layer's `capacity` is the host int its non-blocking dispatches are sized to (DeepEP's
 `num_permuted_tokens`, used only in calls into a buffer); `rows` are the rows a dispatch really
@@ -30,6 +38,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -87,6 +96,32 @@ class InFlight:
     num_tokens: int  # this rank's tokens before padding
 
 
+@dataclass(frozen=True)
+class DeviceCounters:
+    """What a layer's non-blocking dispatches record on the device: int64 scalars, allocated once at
+    calibration (before any CUDA graph capture) and only ever written in place, so a replayed graph
+    updates the very tensors the overflow policy, the metrics and the bench read. Never read here."""
+
+    # The most rows a non-blocking dispatch filled since the counters were made or last reset
+    # (`reset_rows_used`, by megatron_ext.recovery at the start of a step); 0: none filled.
+    rows_used: torch.Tensor
+    # Non-blocking dispatches that overflowed since the layer was built (only grows).
+    overflows: torch.Tensor
+
+    @classmethod
+    def zeros(cls, device: torch.device) -> DeviceCounters:
+        return cls(*(torch.zeros((), dtype=torch.int64, device=device) for _ in range(2)))
+
+
+class GraphCaptureError(RuntimeError):
+    """Capacity mode was asked, during a CUDA graph capture, for work that reads the host."""
+
+
+def capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph (False without CUDA)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 # The name of megatron-ext's per-layer metric in Megatron's MoE logging (console, TensorBoard, W&B).
 CAPACITY_USE_METRIC = "hybridep_capacity_use"
 
@@ -126,19 +161,15 @@ class HybridEPCapacityManager:
         self.config = config
         self.options = options
         self.implementation = implementation
-        self.name = f"MoE layer #{next(_layer_counter)}"  # MoELayer's patch names it by layer number
+        self._default_name = f"MoE layer #{next(_layer_counter)}"
+        self._layer: Optional[weakref.ref] = None  # the MoELayer, bound by the MoELayer patch
         self.pad_multiple = get_align_size_for_quantization(config) if (config.fp8 or config.fp4) else None
         self.capacity: Optional[int] = None
         self.local_calibration_rows: Optional[int] = None  # this rank's rows in the calibration dispatch
         self.calibrated_rows: Optional[int] = None  # their EP-group maximum
         self.stats = DispatchStats()
-        # The most rows a non-blocking dispatch filled (device int64 scalar, never read here; None
-        # before the first): since the layer was built, or since megatron_ext.recovery reset it at
-        # the start of a step. The bench reports it; the recovery's headroom check reads it.
-        self.rows_used: Optional[torch.Tensor] = None
-        # Non-blocking dispatches that overflowed since the layer was built (device int64 scalar,
-        # never read here): the bench reports it, the recovery compares it across a step.
-        self.overflows: Optional[torch.Tensor] = None
+        # Made at calibration; the bench reports them, the recovery's step-end check reads them.
+        self.counters: Optional[DeviceCounters] = None
         self._recompute_blocking = 0  # no-grad calibration forwards still to be replayed blocking
         # Set by megatron_ext.recovery around a training step (--moe-hybridep-overflow-policy rerun):
         # an overflow is only counted in `overflows` instead of stopping on the device, and a re-run
@@ -149,7 +180,6 @@ class HybridEPCapacityManager:
         # Set by megatron_ext.recovery in Megatron's training loop: each forward dispatch records
         # its rows / capacity in Megatron's MoE metrics (a device add, no read).
         self.log_metrics = False
-        self.layer_number: Optional[int] = None  # Megatron's, set by the MoELayer patch
         self._inflight: Optional[InFlight] = None
         self._num_tokens = 0  # this rank's tokens in the current dispatch, before padding
         # The buffer of the latest dispatch (its statistics: tests, the bench).
@@ -158,6 +188,56 @@ class HybridEPCapacityManager:
         self.token_probs: Optional[torch.Tensor] = None
         self.dispatched_probs: Optional[torch.Tensor] = None
         self.tokens_per_expert: Optional[torch.Tensor] = None
+
+    # ----------------------------------------------------------- identity and device state
+
+    def bind_layer(self, layer: Any) -> None:
+        """Name this manager after `layer`, its MoELayer (held weakly). Megatron numbers a MoELayer
+        after building it (TransformerLayer calls `set_layer_number`), so the number is read when used."""
+        self._layer = weakref.ref(layer)
+
+    @property
+    def layer_number(self) -> Optional[int]:
+        """Megatron's number of this manager's MoE layer (1-based), None when unbound or unnumbered."""
+        layer = self._layer() if self._layer is not None else None
+        return getattr(layer, "layer_number", None)
+
+    @property
+    def name(self) -> str:
+        number = self.layer_number
+        return self._default_name if number is None else f"MoE layer {number}"
+
+    @property
+    def rows_used(self) -> Optional[torch.Tensor]:
+        """`counters.rows_used` (None before calibration)."""
+        return None if self.counters is None else self.counters.rows_used
+
+    @property
+    def overflows(self) -> Optional[torch.Tensor]:
+        """`counters.overflows` (None before calibration)."""
+        return None if self.counters is None else self.counters.overflows
+
+    def reset_rows_used(self) -> None:
+        """Start a new maximum of rows used (in place: a captured graph keeps writing the same tensor)."""
+        if self.counters is not None:
+            self.counters.rows_used.zero_()
+
+    def _refuse_under_capture(self, what: str) -> None:
+        if not capturing():
+            return
+        if self.options.capacity_factor is None:
+            fix = (
+                f"set {flag('moe_hybridep_capacity_factor')} and {flag('moe_hybridep_equal_token_counts')} "
+                "(capacity mode reads nothing on the host after its calibration)"
+            )
+        else:
+            fix = (
+                "capture only after the layer has calibrated in an eager step (Megatron: --cuda-graph-warmup-steps "
+                ">= 1), and re-run or grow capacities outside the graph (megatron-ext's overflow policy does)"
+            )
+        raise GraphCaptureError(
+            f"megatron-ext: {self.name}: {what} reads the host, which a CUDA graph capture cannot do; {fix}."
+        )
 
     # ----------------------------------------------------------- token counts
 
@@ -168,6 +248,7 @@ class HybridEPCapacityManager:
                 self._verify_equal_counts(num_tokens, device)
             return equal_count_padding(num_tokens, TOKEN_ALIGNMENT)
         if self.config.moe_hybridep_pad_uneven_dispatch_inputs:
+            self._refuse_under_capture("--moe-hybridep-pad-uneven-dispatch-inputs (an all-reduce and a host read)")
             largest = torch.full((1,), num_tokens, dtype=torch.int64, device=device)
             dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=self.group)
             self.stats.token_count_all_reduces += 1
@@ -220,6 +301,8 @@ class HybridEPCapacityManager:
         )
         self.last_buffer = buffer
         capacity = self._dispatch_capacity()
+        if capacity is None:
+            self._refuse_under_capture("a blocking dispatch (the calibration, a re-run after an overflow)")
         dispatched, self.dispatched_probs, self.tokens_per_expert, handle = autograd.dispatch(
             buffer,
             hidden_states,
@@ -229,6 +312,8 @@ class HybridEPCapacityManager:
             num_permuted_tokens=capacity,
             pad_multiple=self.pad_multiple,
         )
+        # Consumed: kept past the step, the probs would keep their autograd history (the router's) alive.
+        self.token_probs = None
         if capacity is None:
             self.stats.blocking_dispatches += 1
             rows = dispatched.shape[0]  # known on the host once a blocking dispatch returns
@@ -236,13 +321,14 @@ class HybridEPCapacityManager:
             if self.capacity is not None and self.log_metrics:  # a re-run: rows against the capacity outgrown
                 self._record_capacity_use(torch.full((), rows, dtype=torch.float32, device=dispatched.device))
             if self.options.capacity_factor is not None and self.capacity is None:
-                self._calibrate(rows)
+                self._calibrate(rows, dispatched.device)
             capacity = rows  # combine's backward dispatches exactly these rows, non-blocking
         else:
             self.stats.non_blocking_dispatches += 1
-            self._assert_no_overflow(handle)
+            counters = self._device_counters(dispatched.device)
+            self._assert_no_overflow(handle, counters)
             device_rows = self.tokens_per_expert.sum()  # the rows it produced, on the device (never read here)
-            self.rows_used = device_rows if self.rows_used is None else torch.maximum(self.rows_used, device_rows)
+            torch.maximum(counters.rows_used, device_rows, out=counters.rows_used)
             self._record_capacity_use(device_rows)
         self._inflight = InFlight(buffer, handle, capacity, self._num_tokens)
         return dispatched
@@ -250,6 +336,9 @@ class HybridEPCapacityManager:
     def combine(self, hidden_states: torch.Tensor, async_finish: bool = True, allocate_on_comm_stream: bool = True):
         """Return `[capacity, H]` expert outputs to their tokens: `[T, H]`."""
         inflight, self._inflight = self._inflight, None
+        # The experts have taken them (Megatron reads them between dispatch and combine); dropped so
+        # that no autograd history outlives the step.
+        self.dispatched_probs = None
         tokens = autograd.combine(
             inflight.buffer,
             hidden_states,
@@ -279,7 +368,14 @@ class HybridEPCapacityManager:
             return None
         return self.capacity
 
-    def _calibrate(self, rows: int) -> None:
+    def _device_counters(self, device: torch.device) -> DeviceCounters:
+        if self.counters is None:  # made at calibration; here for a capacity set by hand
+            self._refuse_under_capture("allocating the layer's device counters")
+            self.counters = DeviceCounters.zeros(device)
+        return self.counters
+
+    def _calibrate(self, rows: int, device: torch.device) -> None:
+        self.counters = self.counters or DeviceCounters.zeros(device)
         self.local_calibration_rows = rows
         self.calibrated_rows = self._group_max(rows)  # the one host read of capacity mode, per layer
         self.capacity = capacity_from_rows(self.calibrated_rows, self.options.capacity_factor, self.pad_multiple)
@@ -319,7 +415,9 @@ class HybridEPCapacityManager:
     def grow_capacity(self, local_rows: int | torch.Tensor, why: str) -> Optional[int]:
         """Size the capacity to the EP-group maximum of `local_rows` x the factor if that is more
         than it has; return the new capacity, or None when it stays. One all-reduce and one host
-        read: call it between steps only (`megatron_ext.recovery` does)."""
+        read: call it between steps only (`megatron_ext.recovery` does). A CUDA graph captured with
+        the old capacity must be dropped after a growth (it would dispatch at the old one)."""
+        self._refuse_under_capture("growing the capacity (an all-reduce and a host read)")
         rows = self._group_max(local_rows)
         capacity = capacity_from_rows(rows, self.options.capacity_factor, self.pad_multiple)
         if self.capacity is not None and capacity <= self.capacity:
@@ -353,10 +451,9 @@ class HybridEPCapacityManager:
         dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=self.group)
         return int(largest.item())
 
-    def _assert_no_overflow(self, handle: Handle) -> None:
+    def _assert_no_overflow(self, handle: Handle, counters: DeviceCounters) -> None:
         overflow = overflow_flag(handle)
-        count = overflow.reshape(()).to(torch.int64)
-        self.overflows = count if self.overflows is None else self.overflows + count
+        counters.overflows.add_(overflow.reshape(()).to(torch.int64))
         if self.record_overflow:
             return
         factor = self.options.capacity_factor

@@ -21,6 +21,15 @@
 
 Outside Megatron's training loop nothing wraps the step, and an overflow stops on the device as
 before (`--moe-hybridep-overflow-policy fail` keeps that inside the loop too).
+
+With `--cuda-graph-impl full_iteration`, Megatron wraps the step function in its
+`FullCudaGraphWrapper`, which would put this policy's host read inside the captured graph.
+`full_iteration_graph` (installed by `megatron_ext.patches` in its place) turns the two inside
+out: the graph holds the step, the policy runs around it. The step-end check reads the counters
+the replay wrote in place; an overflow's re-run runs the eager step function with blocking
+dispatches, and a capacity that grew (after a re-run, or thin headroom) drops the graphs: the
+next step runs eagerly at the new capacity (compiling kernels for its sizes) and the one after it
+is captured again.
 """
 
 from __future__ import annotations
@@ -133,11 +142,12 @@ class OverflowRerun:
 
     @staticmethod
     def _check(managers: list[HybridEPCapacityManager], overflows_before: list) -> tuple[bool, bool]:
-        """(any rank's layer overflowed since `overflows_before`, any rank's layer used more than
-        half its headroom): one all-reduce over every rank and the step's one host read."""
+        """(any rank's layer overflowed since `overflows_before` (copies of the counts, None for a
+        layer not yet calibrated), any rank's layer used more than half its headroom): one
+        all-reduce over every rank and the step's one host read."""
         flags = torch.zeros(2, dtype=torch.int32, device=group_device())
         for manager, before in zip(managers, overflows_before, strict=True):
-            if manager.overflows is not None and manager.overflows is not before:
+            if manager.overflows is not None:
                 new = manager.overflows if before is None else manager.overflows - before
                 flags[0] = torch.maximum(flags[0], (new.to(flags.device) > 0).to(torch.int32))
             threshold = manager.headroom_threshold()
@@ -154,11 +164,21 @@ class OverflowRerun:
         return getattr(self.forward_backward_func, name)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.run(self.forward_backward_func, *args, **kwargs)
+
+    def run(
+        self, step: Callable, *args: Any, eager: Optional[Callable] = None, graph: Any = None, **kwargs: Any
+    ) -> Any:
+        """One training step through `step` (the step function, or a graph of it), checked at its end.
+
+        `eager`: the step function to re-run an overflowed step with (default `step`: a re-run must not
+        replay a graph captured with non-blocking dispatches). `graph`: Megatron's FullCudaGraphWrapper
+        holding `step`, dropped when a capacity grows."""
         global _capacity_metrics
         model = kwargs.get("model")
         policy = None if args or model is None else _policy(model)
         if policy is None:
-            return self.forward_backward_func(*args, **kwargs)
+            return step(*args, **kwargs)
         _capacity_metrics = True
         managers = capacity_managers(model)
         if self._first_step:
@@ -167,22 +187,25 @@ class OverflowRerun:
         for manager in managers:
             manager.log_metrics = True
         if policy != "rerun":
-            return self.forward_backward_func(*args, **kwargs)
+            return step(**kwargs)
         chunks = model if isinstance(model, (list, tuple)) else [model]
         step_input = _replayable(kwargs.get("data_iterator"), kwargs["num_microbatches"])
         kwargs["data_iterator"] = step_input()
-        overflows_before = [manager.overflows for manager in managers]  # counts only grow: a new tensor
+        # Copies: a replayed graph adds to the same tensors.
+        overflows_before = [None if m.overflows is None else m.overflows.clone() for m in managers]
         for manager in managers:
-            manager.record_overflow, manager.rows_used = True, None
+            manager.record_overflow = True
+            manager.reset_rows_used()
         try:
-            result = self.forward_backward_func(**kwargs)
+            result = step(**kwargs)
             overflowed, thin = self._check(managers, overflows_before)
             if not overflowed:
                 if thin:  # grow before an overflow: the layers whose headroom is half used
-                    for manager in managers:
-                        if manager.rows_used is not None:
-                            manager.grow_capacity(manager.rows_used, "headroom half used")
+                    used = [m for m in managers if m.rows_used is not None]
+                    grown = [m.grow_capacity(m.rows_used, "headroom half used") for m in used]
                     self.resizes += 1
+                    if graph is not None and any(c is not None for c in grown):
+                        drop_graphs(graph)
                 return result
             self.reruns += 1
             logger.log(
@@ -196,10 +219,50 @@ class OverflowRerun:
             for manager in managers:
                 manager.force_blocking, manager.blocking_rows_max = True, 0
             kwargs["data_iterator"] = step_input()
-            result = self.forward_backward_func(**kwargs)
+            result = (eager or step)(**kwargs)
             for manager in managers:
                 manager.grow_capacity(manager.blocking_rows_max, "a re-run after an overflow needed")
+            if graph is not None:
+                drop_graphs(graph)
             return result
         finally:
             for manager in managers:
                 manager.record_overflow, manager.force_blocking = False, False
+
+
+def drop_graphs(graph: Any) -> None:
+    """Drop the graphs of Megatron's FullCudaGraphWrapper `graph` (captured at capacities that no
+    longer hold) and have the step after next capture them again: the next step runs eagerly, at
+    the new capacities, so that the kernels for their sizes are compiled outside a capture."""
+    graph.reset_cuda_graph()
+    for stage in type(graph).curr_iteration:
+        type(graph).curr_iteration[stage] = max(graph.cuda_graph_warmup_steps - 1, 0)
+    logger.log(
+        once_per_job(logging.WARNING),
+        "megatron-ext: a capacity grew: the full-iteration CUDA graphs are dropped, the next step runs eagerly "
+        "and the one after it is captured again.",
+    )
+
+
+def full_iteration_graph(wrapper_class: type) -> type:
+    """Megatron's `FullCudaGraphWrapper`, made so that megatron-ext's overflow policy runs outside
+    the graph: Megatron's training loop builds it around the step function, which is our
+    `OverflowRerun` once `megatron_ext.patches` is applied; the graph then wraps the plain step
+    function and the policy wraps the graph."""
+
+    class FullIterationGraph(wrapper_class):
+        def __init__(self, forward_backward_func: Any, *args: Any, **kwargs: Any):
+            self.overflow_rerun = forward_backward_func if isinstance(forward_backward_func, OverflowRerun) else None
+            if self.overflow_rerun is not None:
+                forward_backward_func = self.overflow_rerun.forward_backward_func
+            super().__init__(forward_backward_func, *args, **kwargs)
+
+        def __call__(self, *args: Any, **kwargs: Any) -> Any:
+            if self.overflow_rerun is None:
+                return super().__call__(*args, **kwargs)
+            graphed = super().__call__
+            return self.overflow_rerun.run(graphed, *args, eager=self.forward_backward_func, graph=self, **kwargs)
+
+    FullIterationGraph.__name__ = FullIterationGraph.__qualname__ = wrapper_class.__name__
+    FullIterationGraph.__module__ = __name__
+    return FullIterationGraph

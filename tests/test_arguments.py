@@ -517,3 +517,103 @@ def test_config_keeps_valid_values():
 
     stock = HybridEPTransformerConfig(**TINY)
     assert hybridep_values(stock) == DEFAULTS
+
+
+# --- CUDA graphs ------------------------------------------------------------------------------
+
+CAPACITY_EQUAL = ["--moe-hybridep-capacity-factor", "1.5", "--moe-hybridep-equal-token-counts"]
+
+
+@pytest.mark.parametrize(
+    "extra, expected",
+    [
+        (
+            ["--cuda-graph-impl", "local", "--cuda-graph-modules", "moe"],
+            ["--cuda-graph-modules moe graphs the whole MoE layer", "--moe-hybridep-equal-token-counts"],
+        ),
+        (
+            ["--cuda-graph-impl", "transformer_engine", "--cuda-graph-modules", "moe"]
+            + ["--moe-hybridep-capacity-factor", "1.5"],
+            ["--cuda-graph-modules moe graphs the whole MoE layer", "drop-and-pad"],
+        ),
+        (
+            ["--cuda-graph-impl", "full_iteration", "--moe-hybridep-capacity-factor", "1.5"],
+            ["--cuda-graph-impl full_iteration captures the HybridEP dispatch", "--moe-hybridep-equal-token-counts"],
+        ),
+        (
+            ["--cuda-graph-impl", "full_iteration", "--moe-hybridep-reuse-allgather-buffer"],
+            ["captures the HybridEP dispatch", "a blocking dispatch reads its row count"],
+        ),
+        (
+            ["--cuda-graph-impl", "full_iteration", "--cuda-graph-warmup-steps", "0", *CAPACITY_EQUAL],
+            ["--cuda-graph-warmup-steps 0 would capture the first step", "--cuda-graph-warmup-steps 1 or more"],
+        ),
+        (
+            ["--cuda-graph-impl", "local", *CAPACITY_EQUAL],
+            ["--moe-hybridep-overflow-policy rerun", "per-layer graphs", "--cuda-graph-impl full_iteration"],
+        ),
+        (
+            ["--cuda-graph-impl", "transformer_engine", "--cuda-graph-modules", "moe", *CAPACITY_EQUAL],
+            ["--cuda-graph-impl transformer_engine --cuda-graph-modules moe", "--moe-hybridep-overflow-policy fail"],
+        ),
+    ],
+    ids=[
+        "moe-module-stock",
+        "moe-module-without-equal",
+        "full-iteration-without-equal",
+        "full-iteration-blocking",
+        "no-warmup",
+        "local-whole-layer-rerun",
+        "te-moe-rerun",
+    ],
+)
+def test_patched_parse_args_refuses_graphs_that_cannot_hold_the_dispatch(
+    patched, monkeypatch, capsys, extra, expected
+):
+    err = parse_error(patched, monkeypatch, capsys, *extra)
+    for text in expected:
+        assert text in err, f"{text!r} not in {err[-600:]!r}"
+
+
+@pytest.mark.parametrize(
+    "extra, modules",
+    [
+        (["--cuda-graph-impl", "full_iteration", *CAPACITY_EQUAL], set()),
+        (
+            ["--cuda-graph-impl", "local", "--cuda-graph-modules", "moe", *CAPACITY_EQUAL]
+            + ["--moe-hybridep-overflow-policy", "fail"],
+            {"moe"},
+        ),
+        (
+            ["--cuda-graph-impl", "local", "--cuda-graph-modules", "moe_router", "moe_preprocess", *CAPACITY_EQUAL],
+            {"moe_router", "moe_preprocess"},
+        ),
+        (["--cuda-graph-impl", "local", "--cuda-graph-modules", "attn"], {"attn"}),  # no MoE graph: nothing to check
+    ],
+    ids=["full-iteration", "local-moe-fail-policy", "local-router-preprocess", "attn-only"],
+)
+def test_patched_parse_args_accepts_graphs_of_capacity_mode(patched, monkeypatch, extra, modules):
+    from megatron.training.arguments import core_transformer_config_from_args
+
+    args = parse(patched, monkeypatch, *extra, "--no-rope-fusion")
+    args.params_dtype = torch.float32
+    config = core_transformer_config_from_args(args)
+    assert {m.name for m in config.cuda_graph_modules} == modules
+
+
+def test_config_lifts_megatrons_moe_graph_refusal_for_capacity_mode_with_equal_counts():
+    from megatron.core.transformer.enums import CudaGraphModule
+
+    from megatron_ext.config import HybridEPTransformerConfig
+
+    graphed = dict(TINY, **HYBRIDEP, cuda_graph_impl="local", cuda_graph_modules=["moe"])
+    config = HybridEPTransformerConfig(
+        **graphed,
+        moe_hybridep_capacity_factor=1.5,
+        moe_hybridep_equal_token_counts=True,
+        moe_hybridep_overflow_policy="fail",
+    )
+    assert config.cuda_graph_modules == [CudaGraphModule.moe]
+    # Everywhere else Megatron's own refusal stands.
+    with pytest.raises(AssertionError, match="drop-padding"):
+        HybridEPTransformerConfig(**graphed)

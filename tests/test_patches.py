@@ -22,8 +22,19 @@ UTILS_CONFIG = "megatron.training.argument_utils.TransformerConfig"
 MLA_CONFIG = "megatron.core.transformer.MLATransformerConfig"
 ADD_ARGUMENTS = "megatron.training.arguments.add_megatron_arguments"
 TRAINING = "megatron.training.training.get_forward_backward_func"
+FULL_GRAPH = "megatron.training.training.FullCudaGraphWrapper"
 MOE_REPORT = "megatron.core.transformer.moe.moe_logging.MoEMetricsTracker.report"
-ALL_TARGETS = [DISPATCHER, MOE_INIT, ARGS_CONFIG, UTILS_CONFIG, MLA_CONFIG, ADD_ARGUMENTS, TRAINING, MOE_REPORT]
+ALL_TARGETS = [
+    DISPATCHER,
+    MOE_INIT,
+    ARGS_CONFIG,
+    UTILS_CONFIG,
+    MLA_CONFIG,
+    ADD_ARGUMENTS,
+    TRAINING,
+    FULL_GRAPH,
+    MOE_REPORT,
+]
 
 
 def current(target):
@@ -286,7 +297,10 @@ def test_apply_dispatcher_only(originals, replacements):
             {"dispatcher": False, "experts": False, "arguments": True, "training": False},
             [ARGS_CONFIG, UTILS_CONFIG, MLA_CONFIG, ADD_ARGUMENTS],
         ),
-        ({"dispatcher": False, "experts": False, "arguments": False, "training": True}, [TRAINING, MOE_REPORT]),
+        (
+            {"dispatcher": False, "experts": False, "arguments": False, "training": True},
+            [TRAINING, FULL_GRAPH, MOE_REPORT],
+        ),
         ({"dispatcher": False, "experts": False, "arguments": False, "training": False}, []),
     ],
 )

@@ -230,8 +230,140 @@ def routing_shift_mid_training_is_survived_bitwise(rank, world):
     assert (int(manager.overflows) >= 1) == (rank == 0), int(manager.overflows)
 
 
+def counters_are_written_in_place_and_nothing_keeps_autograd_history(rank, world):
+    """What a replayed CUDA graph must update lives in the tensors made at calibration (the overflow
+    policy reads those, never a tensor rebound by Python), and no tensor the manager keeps past a
+    step carries autograd history (it would tie a captured backward to an earlier step's stream)."""
+    from megatron_ext.recovery import OverflowRerun
+
+    layer, blocking, manager = _layers(world)
+    runner = OverflowRerun(_forward_backward)
+    inputs = step_inputs(rank, 3, 32, HIDDEN, seed=13)
+    _step(layer, inputs[:1], runner)  # calibrates
+    counters = manager.counters
+    storage = (counters.rows_used.data_ptr(), counters.overflows.data_ptr())
+    assert int(counters.rows_used) == 0 and int(counters.overflows) == 0
+    _step(layer, inputs[1:2], runner)
+    assert int(manager.rows_used) == int(manager.tokens_per_expert.sum()) > 0  # the step's one dispatch
+    manager.capacity = 4  # every rank overflows
+    _assert_same_step(_step(blocking, inputs[2:]), _step(layer, inputs[2:], runner))
+    assert runner.reruns == 1 and int(manager.overflows) == 1
+    assert manager.counters is counters
+    assert (counters.rows_used.data_ptr(), counters.overflows.data_ptr()) == storage
+    kept = {name: value for name, value in vars(manager).items() if isinstance(value, torch.Tensor)}
+    assert manager.token_probs is None and manager.dispatched_probs is None
+    assert not [name for name, value in kept.items() if value.requires_grad or value.grad_fn is not None], kept
+
+
+def host_work_under_capture_is_refused_by_name(rank, world):
+    """During a CUDA graph capture a blocking dispatch (calibration), growing the capacity and the
+    uneven-count pad raise GraphCaptureError saying why; a calibrated layer's dispatch runs. (No GPU
+    here: the capture is simulated by `dispatcher.capturing`, the one place the manager asks.)"""
+    from megatron_ext import dispatcher
+    from megatron_ext.dispatcher import GraphCaptureError
+
+    layer, _, manager = _layers(world, moe_hybridep_equal_token_counts=True)
+    padded, _, padded_manager = _layers(world, moe_hybridep_pad_uneven_dispatch_inputs=True)
+    inputs = step_inputs(rank, 2, 32, HIDDEN, seed=14)
+    real = dispatcher.capturing
+    dispatcher.capturing = lambda: True
+    try:
+        with pytest.raises(GraphCaptureError, match="a blocking dispatch .* --cuda-graph-warmup-steps >= 1"):
+            _step(layer, inputs[:1])
+        assert manager.capacity is None
+        with pytest.raises(GraphCaptureError, match="--moe-hybridep-pad-uneven-dispatch-inputs"):
+            _step(padded, inputs[:1])
+        assert padded_manager.stats.token_count_all_reduces == 0
+        dispatcher.capturing = real
+        _step(layer, inputs[:1])  # calibrates, eagerly
+        dispatcher.capturing = lambda: True
+        _step(layer, inputs[1:])  # non-blocking: nothing to refuse
+        assert manager.stats.non_blocking_dispatches == 1
+        with pytest.raises(GraphCaptureError, match="growing the capacity"):
+            manager.grow_capacity(10_000, "a test")
+    finally:
+        dispatcher.capturing = real
+
+
+def capacity_use_follows_a_layer_numbered_after_it_was_built(rank, world):
+    """Megatron numbers a model's MoE layers after building them (TransformerLayer calls
+    set_layer_number): the manager's name and its metric row follow that number."""
+    from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    from megatron_ext.bench.stack import experts_spec
+    from megatron_ext.dispatcher import CAPACITY_USE_METRIC
+    from megatron_ext.recovery import OverflowRerun
+
+    config = make_config(world, **FLEX, num_layers=4, moe_hybridep_capacity_factor=1.5)
+    torch.manual_seed(3)
+    layer = MoELayer(config, submodules=experts_spec("grouped", config.num_moe_experts))
+    layer = layer.cuda() if on_gpu() else layer
+    manager = layer.token_dispatcher.capacity_manager
+    assert manager.layer_number is None and manager.name.startswith("MoE layer #")
+    layer.set_layer_number(3)
+    assert manager.layer_number == 3 and manager.name == "MoE layer 3"
+    runner = OverflowRerun(_forward_backward)
+    batches = step_inputs(rank, 2, 32, HIDDEN, seed=15)
+    _step(layer, batches[:1], runner)
+    tracker = get_moe_metrics_tracker()
+    tracker.metrics.pop(CAPACITY_USE_METRIC, None)  # made by other checks, for a model of one layer
+    _step(layer, batches[1:], runner)
+    recorded = tracker.metrics.pop(CAPACITY_USE_METRIC).values
+    assert recorded.shape == (4,) and float(recorded[2]) > 0 and float(recorded.sum()) == float(recorded[2])
+    assert torch.equal(recorded[2], manager.rows_used.float() / manager.capacity)
+
+
+class _StandInFullGraph:
+    """Megatron's FullCudaGraphWrapper in miniature, for CPU ranks: the interface megatron-ext's
+    full-iteration graph uses. Its 'replay' is the step function run as it is."""
+
+    curr_iteration = {"training": 0, "validation": 0}
+
+    def __init__(self, forward_backward_func, cuda_graph_warmup_steps=1, use_single_mempool=False):
+        self.forward_backward_func = forward_backward_func
+        self.cuda_graph_warmup_steps = cuda_graph_warmup_steps
+        self.calls = []
+
+    def __call__(self, **kwargs):
+        self.calls.append("graph")
+        type(self).curr_iteration["training"] += 1
+        return self.forward_backward_func(**kwargs)
+
+    def reset_cuda_graph(self, stage=None):
+        self.calls.append("reset")
+        type(self).curr_iteration.update(training=0, validation=0)
+
+
+def full_iteration_graph_keeps_the_policy_outside(rank, world):
+    """Built around the overflow policy (as Megatron's training loop builds it), the full-iteration
+    graph holds the plain step function and the policy holds the graph: an overflow re-runs the step
+    eagerly (not through the graph) and blocking, grows the capacity, and drops the graph, to be
+    captured again after one eager step."""
+    from megatron_ext.recovery import OverflowRerun, full_iteration_graph
+
+    layer, blocking, manager = _layers(world)
+    rerun = OverflowRerun(_forward_backward)
+    graph = full_iteration_graph(_StandInFullGraph)(rerun, cuda_graph_warmup_steps=3)
+    assert graph.forward_backward_func is _forward_backward and graph.overflow_rerun is rerun
+    inputs = step_inputs(rank, 1 + MICROBATCHES, 32, HIDDEN, seed=16)
+    _step(layer, inputs[:1], graph)
+    _step(blocking, inputs[:1])
+    manager.capacity = 4
+    _assert_same_step(_step(blocking, inputs[1:]), _step(layer, inputs[1:], graph))
+    assert rerun.reruns == 1 and graph.calls == ["graph", "graph", "reset"]
+    assert _StandInFullGraph.curr_iteration["training"] == 2  # the next step eager, the one after captured
+    assert manager.capacity > 4
+    plain = full_iteration_graph(_StandInFullGraph)(_forward_backward)  # no policy: Megatron's wrapper as it is
+    assert plain.overflow_rerun is None and plain.forward_backward_func is _forward_backward
+
+
 CHECKS = (
     routing_shift_mid_training_is_survived_bitwise,
+    counters_are_written_in_place_and_nothing_keeps_autograd_history,
+    host_work_under_capture_is_refused_by_name,
+    capacity_use_follows_a_layer_numbered_after_it_was_built,
+    full_iteration_graph_keeps_the_policy_outside,
     overflow_reruns_the_step_blocking_and_grows_the_capacity,
     recompute_replays_across_the_rerun_and_the_growth,
     no_overflow_no_rerun,
@@ -256,6 +388,7 @@ def test_recovery(results, check):
 
 
 def test_the_patch_wraps_the_schedule_of_megatrons_training_loop():
+    from megatron.core import full_cuda_graph
     from megatron.core.pipeline_parallel import schedules
 
     import megatron_ext.patches as patches
@@ -266,11 +399,16 @@ def test_the_patch_wraps_the_schedule_of_megatrons_training_loop():
 
         assert done == [
             "megatron.training.training.get_forward_backward_func",
+            "megatron.training.training.FullCudaGraphWrapper",
             "megatron.core.transformer.moe.moe_logging.MoEMetricsTracker.report",
         ]
         func = training.get_forward_backward_func(pp_size=1)
         assert isinstance(func, OverflowRerun)
         assert func.forward_backward_func is schedules.forward_backward_no_pipelining
+        # Megatron's own wrapper underneath (building one needs CUDA: the GPU tests do), its
+        # class-level graph record shared, as train_step reads it.
+        assert issubclass(training.FullCudaGraphWrapper, full_cuda_graph.FullCudaGraphWrapper)
+        assert training.FullCudaGraphWrapper.cuda_graph is full_cuda_graph.FullCudaGraphWrapper.cuda_graph
     assert training.get_forward_backward_func(pp_size=1) is schedules.forward_backward_no_pipelining
 
 

@@ -24,9 +24,11 @@ Patched attributes, by feature:
   same, plus validation of megatron-ext's flags when the parser parses.
 * training: `megatron.training.training.get_forward_backward_func` -> the same, its result wrapped
   in `megatron_ext.recovery.OverflowRerun` (a capacity-mode overflow re-runs the step; a
-  pass-through without capacity mode); `megatron.core.transformer.moe.moe_logging.
-  MoEMetricsTracker.report` -> the same, also reporting megatron-ext's capacity use in capacity
-  mode.
+  pass-through without capacity mode); `megatron.training.training.FullCudaGraphWrapper` -> a
+  subclass that, built around that wrapper, graphs the step function inside it and keeps the
+  overflow policy outside the graph (`megatron_ext.recovery.full_iteration_graph`);
+  `megatron.core.transformer.moe.moe_logging.MoEMetricsTracker.report` -> the same, also
+  reporting megatron-ext's capacity use in capacity mode.
 """
 
 from __future__ import annotations
@@ -95,6 +97,12 @@ def _get_forward_backward_func(original: Callable) -> Callable:
     return get_forward_backward_func
 
 
+def _full_cuda_graph_wrapper(original: type) -> type:
+    from megatron_ext.recovery import full_iteration_graph
+
+    return full_iteration_graph(original)
+
+
 def _moe_metrics_report(original: Callable) -> Callable:
     @functools.wraps(original)
     def report(self, *args, track_names=None, **kwargs):
@@ -125,6 +133,7 @@ PATCHES: tuple[_Patch, ...] = (
     _Patch("megatron.core.transformer.MLATransformerConfig", _mla_transformer_config, "arguments"),
     _Patch("megatron.training.arguments.add_megatron_arguments", _add_megatron_arguments, "arguments"),
     _Patch("megatron.training.training.get_forward_backward_func", _get_forward_backward_func, "training"),
+    _Patch("megatron.training.training.FullCudaGraphWrapper", _full_cuda_graph_wrapper, "training"),
     _Patch("megatron.core.transformer.moe.moe_logging.MoEMetricsTracker.report", _moe_metrics_report, "training"),
 )
 FEATURES = ("dispatcher", "experts", "arguments", "training")

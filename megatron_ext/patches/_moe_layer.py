@@ -1,4 +1,5 @@
-"""What megatron-ext changes when Megatron builds a MoE layer: the experts, and the layer's name.
+"""What megatron-ext changes when Megatron builds a MoE layer: the experts, and the layer's name
+(its dispatch manager is bound to the layer, whose number Megatron may set later).
 
 Capacity mode hands the experts more rows than tokens (the capacity) and the real counts on the
 device. Megatron's SequentialMLP and TEGroupedMLP's unfused path read the counts on the host and
@@ -83,9 +84,8 @@ def wrap_init(original: Callable) -> Callable:
     def __init__(self, config, submodules=None, *args, **kwargs):
         original(self, config, select_experts(config, submodules), *args, **kwargs)
         manager = getattr(getattr(self, "token_dispatcher", None), "_comm_manager", None)
-        if manager is not None and hasattr(manager, "stats") and self.layer_number is not None:
-            manager.name = f"MoE layer {self.layer_number}"
-            manager.layer_number = self.layer_number
+        if manager is not None and hasattr(manager, "bind_layer"):
+            manager.bind_layer(self)
 
     __init__.__megatron_ext_original__ = original
     return __init__
