@@ -288,8 +288,8 @@ def host_work_under_capture_is_refused_by_name(rank, world):
 def capacity_use_follows_a_layer_numbered_after_it_was_built(rank, world):
     """Megatron numbers a model's MoE layers after building them (TransformerLayer calls
     set_layer_number): the manager's name and its metric row follow that number."""
-    from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
     from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 
     from megatron_ext.bench.stack import experts_spec
     from megatron_ext.dispatcher import CAPACITY_USE_METRIC

@@ -1,0 +1,182 @@
+"""Capacity mode in CUDA graphs on one GPU: a Megatron MoE layer's forward and backward captured
+after its calibration and replayed on fresh inputs, on both implementations, with and without MoE
+recompute; and Megatron's full-iteration graph with megatron-ext's overflow policy around it, an
+overflow inside a replay caught, re-run blocking, the graph dropped and captured again.
+
+Every replayed step is compared bitwise with the same layer run eagerly (same weights, same
+kernels), and the torch implementation's with the blocking dispatch too.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_ext.options import deep_ep_import_error
+from tests.megatron_env import FLEX, copy_weights, make_config, moe_layer, run_steps, step_inputs
+
+pytestmark = pytest.mark.gpu
+
+HIDDEN = 256  # deep_ep's buffer takes hidden sizes from 128 on
+TOKENS = 128
+RECOMPUTE = {
+    "no-recompute": {},
+    "moe-recompute": dict(recompute_granularity="selective", recompute_modules=["moe"]),
+    "moe_act-recompute": dict(recompute_granularity="selective", recompute_modules=["moe_act"]),
+}
+
+
+def _config(implementation: str, **overrides):
+    return make_config(
+        1,
+        **FLEX,
+        hidden_size=HIDDEN,
+        moe_hybridep_implementation=implementation,
+        moe_hybridep_capacity_factor=1.5,
+        moe_hybridep_equal_token_counts=True,
+        **overrides,
+    )
+
+
+def _needs(implementation: str) -> None:
+    if implementation == "deep_ep" and deep_ep_import_error() is not None:
+        pytest.skip(f"deep_ep does not import: {deep_ep_import_error()}")
+
+
+def _loss_weights(out: torch.Tensor) -> torch.Tensor:
+    return torch.linspace(-1.0, 1.0, out.numel(), dtype=out.dtype, device=out.device).view_as(out)
+
+
+class Captured:
+    """A layer's forward and backward in one CUDA graph, after PyTorch's whole-network recipe."""
+
+    def __init__(self, layer, example: torch.Tensor):
+        self.layer = layer
+        self.x = example.detach().clone().requires_grad_(True)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # one eager step on the side stream warms what capture will run
+            self._step()
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.out = self._step()
+
+    def _step(self) -> torch.Tensor:
+        self.layer.zero_grad(set_to_none=True)
+        out = self.layer(self.x)[0]
+        (out * _loss_weights(out)).sum().backward()
+        return out
+
+    def __call__(self, x: torch.Tensor):
+        with torch.no_grad():
+            self.x.copy_(x)
+        self.graph.replay()
+        grads = {n: p.grad.clone() for n, p in self.layer.named_parameters() if p.grad is not None}
+        return self.out.detach().clone(), self.x.grad.clone(), grads
+
+
+@pytest.mark.parametrize("recompute", list(RECOMPUTE), ids=list(RECOMPUTE))
+@pytest.mark.parametrize("implementation", ["torch", "deep_ep"])
+def test_replays_equal_eager_steps(megatron, implementation, recompute):
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from tests.megatron_env import assert_same_steps
+
+    _needs(implementation)
+    model_parallel_cuda_manual_seed(1, use_cudagraphable_rng=True, force_reset_rng=True)
+    graphed = moe_layer(_config(implementation, **RECOMPUTE[recompute]), experts="grouped")
+    eager = moe_layer(_config(implementation, **RECOMPUTE[recompute]), experts="grouped", seed=7)
+    copy_weights(graphed, eager)
+    inputs = step_inputs(0, 6, TOKENS, HIDDEN, seed=21)
+    run_steps(graphed, inputs[:1])  # the calibration, eagerly
+    run_steps(eager, inputs[:1])
+    manager = graphed.token_dispatcher.capacity_manager
+    step = Captured(graphed, inputs[1])
+    replayed = [step(x) for x in inputs[2:]]
+    assert_same_steps(run_steps(eager, inputs[2:]), replayed, f"{implementation} graph")
+    if implementation == "torch":
+        blocking = moe_layer(make_config(1, **FLEX, hidden_size=HIDDEN, moe_hybridep_implementation="torch"), "grouped")
+        copy_weights(graphed, blocking)
+        assert_same_steps(run_steps(blocking, inputs[2:]), replayed, "torch graph against blocking")
+    assert manager.stats.blocking_dispatches == manager.stats.calibrations == 1
+    # The device counters saw the replays: rows used are the rows of the last one (one rank: every row stays).
+    assert int(manager.rows_used) == TOKENS * graphed.config.moe_router_topk and int(manager.overflows) == 0
+
+
+def _full_iteration(layer, rerun):
+    """Megatron's FullCudaGraphWrapper as its training loop builds it with megatron-ext patched."""
+    from megatron.core.full_cuda_graph import FullCudaGraphWrapper
+
+    from megatron_ext.recovery import full_iteration_graph
+
+    FullCudaGraphWrapper.cuda_graph["training"] = None
+    FullCudaGraphWrapper.curr_iteration["training"] = 0
+    return full_iteration_graph(FullCudaGraphWrapper)(rerun, cuda_graph_warmup_steps=1)
+
+
+def _schedule(*, model, data_iterator, num_microbatches, forward_only=False, **_):
+    """Megatron's schedule in miniature; gradients accumulate in place (as in Megatron's DDP buffers)."""
+    layer, losses = model[0], []
+    for _ in range(num_microbatches):
+        x = next(data_iterator)["x"].detach().requires_grad_(True)
+        out = layer(x)[0]
+        loss = (out * _loss_weights(out)).sum()
+        loss.backward()
+        losses.append(loss.detach())
+    return losses
+
+
+def _train_step(layer, graph_or_func, batch: torch.Tensor):
+    for p in layer.parameters():
+        if p.grad is not None:
+            p.grad.zero_()
+    losses = graph_or_func(
+        model=[layer], data_iterator=iter([{"x": batch}]), num_microbatches=1, seq_length=TOKENS, forward_only=False
+    )
+    return losses[0].clone(), {n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("implementation", ["torch", "deep_ep"])
+def test_an_overflow_inside_a_replayed_full_iteration_graph_is_rerun_and_recaptured(megatron, implementation):
+    """Steps: 0 eager (calibrates), 1 captured with a capacity too small (set by hand: on one rank
+    the rows never outgrow a calibrated capacity), so its replay overflows: re-run eagerly and
+    blocking, the capacity grows, the graph is dropped; 2 eager at the new capacity; 3 captured
+    again; 4 replayed. Every step's loss and gradients equal the blocking layer's, and the
+    capacity-use metric reads the replay's rows."""
+    from megatron.core.full_cuda_graph import FullCudaGraphWrapper
+    from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+
+    from megatron_ext.dispatcher import CAPACITY_USE_METRIC
+    from megatron_ext.recovery import OverflowRerun
+
+    _needs(implementation)
+    layer = moe_layer(_config(implementation), experts="grouped")
+    blocking = moe_layer(
+        make_config(1, **FLEX, hidden_size=HIDDEN, moe_hybridep_implementation=implementation), "grouped"
+    )
+    copy_weights(layer, blocking)
+    manager = layer.token_dispatcher.capacity_manager
+    rerun = OverflowRerun(_schedule)
+    graph = _full_iteration(layer, rerun)
+    inputs = step_inputs(0, 5, TOKENS, HIDDEN, seed=22)
+    tracker = get_moe_metrics_tracker()
+    try:
+        for step, x in enumerate(inputs):
+            if step == 1:
+                manager.capacity = 64  # below the TOKENS x top-k rows every dispatch makes here
+            tracker.clear()
+            loss, grads = _train_step(layer, graph, x)
+            expected_loss, expected_grads = _train_step(blocking, _schedule, x)
+            assert torch.equal(loss, expected_loss), step
+            assert grads.keys() == expected_grads.keys()
+            assert all(torch.equal(grads[n], expected_grads[n]) for n in grads), step
+            captured = FullCudaGraphWrapper.cuda_graph["training"] is not None
+            assert captured == (step in (3, 4)), (step, captured)
+        assert rerun.reruns == 1 and manager.capacity > 64 and manager.stats.calibrations == 2
+        rows = TOKENS * layer.config.moe_router_topk
+        use = tracker.metrics[CAPACITY_USE_METRIC].values
+        assert torch.equal(use[0], torch.tensor(rows / manager.capacity, device=use.device)), (use, manager.capacity)
+    finally:
+        graph.reset_cuda_graph()
+        tracker.clear()
