@@ -2,7 +2,7 @@
 
 from megatron_ext.tooling import train_logs
 
-HEADER = "  global_batch_size ............................... 2\n  seq_length ...................................... 512\n"
+HEADER = "  global_batch_size ....... 2\n  seq_length .............. 512\n"
 
 
 def _log(tmp_path, name, rows):
