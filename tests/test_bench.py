@@ -8,6 +8,7 @@ from the map's shape.
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import os
@@ -38,6 +39,7 @@ OUR_MODES = (
     "capacity+equal+rerun",
 )
 DEEP_EP_MODES = ("deep_ep", "deep_ep+capacity+equal+reuse", "deep_ep+capacity+equal+reuse+rerun")
+GRAPH_MODES = ("capacity+equal+graph", "deep_ep+capacity+equal+reuse+graph")  # GPU only: skipped here
 HAS_DEEP_EP = importlib.util.find_spec("deep_ep") is not None
 
 
@@ -56,7 +58,8 @@ def _bench(*args, env=None, timeout=600):
 def full_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     outputs = ["--json", str(out / "b.json"), "--plot", str(out / "b.png")]
-    result = _bench(*TINY, "--world-size", str(WORLD), "--repeat", str(ROUNDS), *outputs)
+    # --size small with every size flag given: the flags win, and the JSON names the size.
+    result = _bench("--size", "small", *TINY, "--world-size", str(WORLD), "--repeat", str(ROUNDS), *outputs)
     assert result.returncode == 0, result.stdout + result.stderr
     with open(out / "b.json") as f:
         report = json.load(f)
@@ -71,9 +74,13 @@ def test_every_mode_runs_and_equals_blocking(full_run):
     stdout, report, _ = full_run
     assert report["ok"] and report["failures"] == []
     assert report["world_size"] == WORLD and report["sizes"]["tokens"] == TOKENS
+    assert report["sizes"]["size"] == "small" and report["sizes"]["layers"] == LAYERS
+    assert f"size small: {LAYERS} MoE layers" in stdout
     names = [m["name"] for m in report["modes"]]
     te_modes = ["megatron+te", "blocking+te", "capacity+equal+te"]
-    assert names == ["megatron", *OUR_MODES, *DEEP_EP_MODES, *te_modes]
+    ours = [*OUR_MODES[:3], GRAPH_MODES[0], *OUR_MODES[3:]]  # each +graph mode right after its eager twin
+    deep_ep = [*DEEP_EP_MODES[:2], GRAPH_MODES[1], DEEP_EP_MODES[2]]
+    assert names == ["megatron", *ours, *deep_ep, *te_modes]
     for name in OUR_MODES:
         assert _mode(report, name)["equal_to_blocking"] == "bitwise", name
         assert _mode(report, name)["status"] == "ok", name
@@ -83,6 +90,14 @@ def test_every_mode_runs_and_equals_blocking(full_run):
             assert _mode(report, name)["status"] == "skipped" and "deep_ep" in _mode(report, name)["detail"]
     for name in te_modes:  # CPU ranks: TE's experts need a GPU
         assert _mode(report, name)["status"] == "skipped" and "CUDA GPU" in _mode(report, name)["detail"]
+    for name in GRAPH_MODES:  # CPU ranks: skipped for the device, whatever is installed
+        assert _mode(report, name)["status"] == "skipped", name
+        assert _mode(report, name)["detail"] == "CUDA graphs need a GPU", name
+        assert _mode(report, name)["graph"] is True and _mode(report, name)["gpu_busy_ms"] is None
+    assert all(m["gpu_busy_ms"] is None and m["step_vs_gpu"] is None for m in report["modes"])  # CPU: no GPU time
+    header = next(line for line in stdout.splitlines() if line.startswith("mode "))
+    assert "GPU ms" not in header and "step/GPU" not in header  # CPU: no GPU columns
+    assert "sent/dispatch" not in header and "map alloc/step" in header  # sent/dispatch: --wide only
     for name in names:
         assert name in stdout
     assert "OK: outputs and gradients equal blocking's" in stdout
@@ -308,3 +323,264 @@ def test_profile_refuses_a_capacity_factor_below_one():
         cwd=ROOT,
     )
     assert result.returncode == 2 and "--capacity-factor 0.5 would drop tokens" in result.stderr, result.stderr
+
+
+# ------------------------------------------------------------------------------ --size
+
+
+def _fields(args) -> tuple[int, ...]:
+    return (args.layers, args.tokens, args.hidden, args.ffn_hidden, args.experts, args.topk)
+
+
+def _parse(argv, monkeypatch):
+    from megatron_ext.bench.cli import parse
+
+    monkeypatch.delenv("RANK", raising=False)
+    return parse([*argv, "--device", "cpu"])
+
+
+@pytest.mark.parametrize(
+    "name, fields",
+    [
+        ("small", (8, 512, 512, 256, 16, 2)),
+        ("mid", (4, 4096, 2048, 1024, 32, 4)),
+        ("fine", (8, 4096, 2048, 768, 128, 8)),
+        ("large", (8, 8192, 4096, 1024, 64, 8)),
+    ],
+)
+def test_size_names_a_stack(name, fields, monkeypatch):
+    from megatron_ext.bench.cli import sizes_of
+
+    args = _parse(["--size", name], monkeypatch)
+    assert _fields(args) == fields
+    assert sizes_of(args).size == name
+
+
+def test_a_size_flag_overrides_its_field_of_the_size(monkeypatch):
+    args = _parse(["--size", "fine", "--layers", "2"], monkeypatch)
+    assert _fields(args) == (2, 4096, 2048, 768, 128, 8)
+    # Without --size: the old defaults, each overridable alone, and no size name recorded.
+    args = _parse(["--tokens", "64"], monkeypatch)
+    assert _fields(args) == (2, 64, 128, 128, 8, 2)
+    assert args.size is None
+
+
+def test_a_bad_size_is_a_parse_error_and_help_keeps_the_defaults(capsys, monkeypatch):
+    from megatron_ext.bench.cli import parser
+
+    with pytest.raises(SystemExit) as exit_info:
+        _parse(["--size", "huge"], monkeypatch)
+    assert exit_info.value.code == 2
+    assert "--size: invalid choice: 'huge'" in capsys.readouterr().err
+    text = " ".join(parser().format_help().split())
+    for default in ("(default 2)", "tokens per rank (default 256)", "hidden size (default 128)", "(default 8)"):
+        assert default in text
+    assert "fine: 8 layers, T 4096, H 2048, FFN 768, E 128, top-8" in text
+
+
+def test_profile_and_kernels_take_the_size_too(capsys):
+    from megatron_ext.bench import profile
+
+    p = profile.size_arguments("prog", "the profile's flags", ("capacity_factor", "seed"))
+    args = p.parse_args(["--size", "large", "--experts", "32"])
+    sizes = profile.sizes_from(args)
+    assert (sizes.layers, sizes.tokens, sizes.hidden, sizes.ffn_hidden, sizes.experts, sizes.topk) == (
+        8, 8192, 4096, 1024, 32, 8,
+    )  # fmt: skip
+    assert sizes.size == "large" and sizes.dtype == "bf16"
+    assert args.layers == 8  # the tools read the namespace too (the stack's layers)
+    default = profile.sizes_from(p.parse_args([]))
+    assert (default.layers, default.tokens, default.size) == (2, 256, None)
+    # A namespace built by hand, sizes left None: filled from its size as the parser would.
+    assert profile.sizes_from(argparse.Namespace(size="mid", layers=None, modes=None)).tokens == 4096
+    with pytest.raises(SystemExit) as exit_info:
+        profile.main(["--size", "huge"])
+    assert exit_info.value.code == 2 and "invalid choice: 'huge'" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------ +graph modes
+
+
+def test_graph_modes_follow_their_eager_twins_with_the_same_settings():
+    from dataclasses import replace
+
+    from megatron_ext.bench.modes import all_modes, select
+
+    modes = all_modes(1.5)
+    names = [m.name for m in modes]
+    for twin, graph in (("capacity+equal", GRAPH_MODES[0]), ("deep_ep+capacity+equal+reuse", GRAPH_MODES[1])):
+        eager, graphed = modes[names.index(twin)], modes[names.index(graph)]
+        assert names.index(graph) == names.index(twin) + 1
+        assert graphed.graph and not eager.graph
+        assert replace(graphed, name=twin, summary=eager.summary, graph=False) == eager  # nothing else differs
+    assert modes[names.index(GRAPH_MODES[0])].equality == "bitwise"
+    assert modes[names.index(GRAPH_MODES[1])].equality == "close" and modes[names.index(GRAPH_MODES[1])].needs_deep_ep
+    assert [m.name for m in modes if m.graph] == list(GRAPH_MODES)
+    assert [m.name for m in select([GRAPH_MODES[0]], 1.5)] == ["blocking", GRAPH_MODES[0]]
+
+
+def test_graphed_step_refuses_a_cpu_input():
+    from megatron_ext.bench.graphed import GraphedStep
+
+    stack = torch.nn.Linear(4, 4)
+    with pytest.raises(RuntimeError, match="CUDA graphs need a GPU: the input is on cpu"):
+        GraphedStep(stack, torch.randn(3, 1, 4), torch.ones(3, 1, 4))
+    assert all(p.grad is None for p in stack.parameters())  # refused before any step
+
+
+def _cpu_runner(progress=lambda: None):
+    from megatron_ext.bench.run import Sizes, _Runner
+
+    sizes = Sizes(layers=1, tokens=3, hidden=4, ffn_hidden=4, experts=2, topk=1, dtype="fp32", skew=0.0,
+                  capacity_factor=1.5, steps=2, check_steps=1, warmup=0, seed=0)  # fmt: skip
+    return _Runner(sizes, 0, 1, torch.device("cpu"), progress)
+
+
+def test_a_graph_modes_step_is_the_replay():
+    runner = _cpu_runner()
+    replayed = []
+    out, grad = torch.zeros(3, 1, 4), torch.ones(3, 1, 4)
+
+    def replay(x):
+        replayed.append(x)
+        return out, grad
+
+    runner.graphed = replay
+    runner.recovery = lambda **_: pytest.fail("a replay goes through nothing else")
+    x = runner.inputs[0]
+    assert runner.step(None, x) == (out, grad) and replayed == [x]  # no stack: `_step` is not called
+    runner.graphed = runner.recovery = None
+    stack = torch.nn.Linear(4, 4)
+    eager_out, eager_grad = runner.step(stack, x)  # without a graph: the eager step
+    assert eager_out.shape == x.shape and eager_grad.shape == x.shape and stack.weight.grad is not None
+
+
+def test_a_failed_capture_fails_the_mode_with_the_error(gloo_group):
+    from megatron_ext.bench.run import ModeResult
+
+    steps = []
+    runner = _cpu_runner(progress=lambda: steps.append(1))
+    stack = torch.nn.Linear(4, 4)
+    result = ModeResult(GRAPH_MODES[0])
+    # On CPU the capture raises (GraphedStep refuses the device): the path of any capture that raises.
+    assert runner._capture(stack, result) is False
+    assert result.status == "failed" and runner.graphed is None
+    error = "RuntimeError: CUDA graphs need a GPU: the input is on cpu"
+    assert result.detail == f"CUDA graph capture failed on rank 0: {error}"
+    assert stack.weight.grad is not None  # the two eager steps ran first
+    assert len(steps) == runner.sizes.steps_per_mode  # the progress bar still ends
+
+
+def test_a_capture_error_names_the_first_error_then_the_one_ending_the_capture():
+    from megatron_ext.bench.run import _describe
+
+    try:
+        try:
+            raise RuntimeError("a host read under capture\nmore lines")
+        except RuntimeError:
+            raise RuntimeError("CUDA error: operation failed due to a previous error during capture") from None
+    except RuntimeError as exc:
+        assert _describe(exc) == "RuntimeError: CUDA error: operation failed due to a previous error during capture"
+    try:
+        try:
+            raise ValueError("a host read under capture\nmore lines")
+        except ValueError:
+            raise RuntimeError("capture invalidated")  # noqa: B904 - as torch.cuda.graph's __exit__ raises
+    except RuntimeError as exc:
+        then = "(then, ending the capture: RuntimeError: capture invalidated)"
+        assert _describe(exc) == f"ValueError: a host read under capture {then}"
+
+
+# ------------------------------------------------------------------------------ GPU busy time, the table
+
+
+def test_gpu_busy_time_counts_overlapping_operations_once(monkeypatch):
+    from megatron_ext.bench import counters, profile
+
+    operations = [("gemm", 0.0, 10.0), ("nccl", 5.0, 20.0), ("copy", 30.0, 40.0), ("inside", 31.0, 32.0)]
+    assert counters.busy_ms(operations) == pytest.approx(0.030)  # [0, 20] and [30, 40] us
+    assert counters.busy_ms([]) == 0.0
+    calls = []
+    monkeypatch.setattr(counters, "gpu_operations", lambda step, steps: calls.append(steps) or operations * steps)
+    assert counters.kernel_times(lambda: None, 2) == pytest.approx(
+        {"gemm": 0.010, "nccl": 0.015, "copy": 0.010, "inside": 0.001}
+    )  # per step: the profile's kernel table
+    assert calls == [2] and profile.kernel_times is counters.kernel_times
+
+
+def _rank_result(name, **fields):
+    from megatron_ext.bench.run import ModeResult
+
+    return ModeResult(name, **fields).to_dict()
+
+
+def test_the_table_shows_gpu_time_and_graph_rows_without_nonsense():
+    from megatron_ext.bench import report
+    from megatron_ext.bench.modes import all_modes
+    from megatron_ext.bench.run import ModeResult
+
+    modes = {m.name: m for m in all_modes(1.5)}
+    probe = dict(host_idle_ms=1.0, host_behind_sleep_ms=1.0, gpu_sleep_ms=300.0, ran_ahead=True, dispatches=2)
+    eager = dict(equality="bitwise", step_ms=[3.0], round_step_ms=[3.0], host_syncs_per_step=0,
+                 all_reduces_per_step=0, bytes_sent_per_dispatch=1024.0, forward_memory_bytes=2048,
+                 peak_step_memory_bytes=4096, ran_ahead_rounds=[True], dispatches_ahead_rounds=[2],
+                 runahead=dict(probe, dispatches_ahead=2))  # fmt: skip
+    # A graph mode as `_Runner.run` leaves it: Python-side counts None, the probe's dispatches unseen.
+    graph = dict(equality="bitwise", step_ms=[2.0], round_step_ms=[2.0], host_syncs_per_step=0,
+                 peak_step_memory_bytes=4096, ran_ahead_rounds=[False], dispatches_ahead_rounds=[None],
+                 runahead=dict(probe, ran_ahead=False, dispatches_ahead=None))  # fmt: skip
+    rows = [
+        report.aggregate(modes["blocking"], [_rank_result("blocking", gpu_busy_ms=g, **eager) for g in (2.0, 1.5)]),
+        report.aggregate(modes[GRAPH_MODES[0]], [_rank_result(GRAPH_MODES[0], gpu_busy_ms=1.6, **graph)] * 2),
+        report.aggregate(modes["capacity+equal"], [_rank_result("capacity+equal", **eager)] * 2),  # GPU time: none
+        report.aggregate(
+            modes[GRAPH_MODES[1]], [_rank_result(GRAPH_MODES[1], status="failed", detail="CUDA graph capture failed")]
+        ),
+    ]
+    report.add_ratios(rows)
+    assert rows[0]["gpu_busy_ms"] == 2.0 and rows[0]["step_vs_gpu"] == 1.5  # the slowest rank's
+    assert rows[1]["step_vs_gpu"] == 1.25 and rows[1]["runahead"]["dispatches_ahead"] is None
+    assert rows[2]["step_vs_gpu"] is None and rows[3]["step_vs_gpu"] is None  # no GPU time, no step: no ratio
+    lines = report.table(rows, cuda=True).splitlines()
+    header = lines[0].split("  ")
+    assert [h.strip() for h in header if h.strip()][:5] == ["mode", "vs blocking", "step ms", "GPU ms", "step/GPU"]
+    assert "held after fwd" not in lines[0] and "sent/dispatch" not in lines[0]
+    cells = {line.split()[0]: line.split() for line in lines[2:]}
+    assert cells["blocking"][2:5] == ["3.00", "2.00", "1.50"]
+    # graph: step, GPU ms, ratio, x stock '-', dispatch host ms '-', syncs 0, all-reduces '-', ran ahead 'no'
+    assert cells[GRAPH_MODES[0]][1:10] == ["bitwise", "2.00", "1.60", "1.25", "-", "-", "0", "-", "no"]
+    assert cells["capacity+equal"][3:5] == ["-", "-"]
+    assert cells[GRAPH_MODES[1]][1] == "failed"
+    assert report.failures(rows) == [f"{GRAPH_MODES[1]}: failed: CUDA graph capture failed"]
+    wide = report.table(rows, cuda=True, wide=True).splitlines()
+    assert "held after fwd" in wide[0] and "sent/dispatch" in wide[0] and "2.0 KiB" in wide[2]
+    sizes = _cpu_runner().sizes
+    legend = report.legend(rows, cuda=True, sizes=sizes)
+    assert "GPU ms: the time the GPU was busy" in legend and "+graph: every step after the capture" in legend
+    assert "sent/dispatch:" not in legend and "sent/dispatch:" in report.legend(rows, True, sizes, wide=True)
+    assert "--wide adds held after fwd and sent/dispatch" in legend
+    assert "GPU ms" not in report.legend(rows, cuda=False, sizes=sizes)
+    # Rounds: the lowest GPU time is kept (the round least disturbed).
+    first = ModeResult("blocking", gpu_busy_ms=2.0)
+    first.merge(ModeResult("blocking", gpu_busy_ms=1.8))
+    first.merge(ModeResult("blocking"))
+    assert first.gpu_busy_ms == 1.8
+
+
+def test_the_default_gpu_table_is_no_wider_than_before_the_gpu_columns():
+    from megatron_ext.bench import report
+    from megatron_ext.bench.modes import all_modes
+
+    row = dict(equality="bitwise", step_ms=[123.45], round_step_ms=[123.45], host_syncs_per_step=16,
+               all_reduces_per_step=16, bytes_sent_per_dispatch=1.5 * 2**30, forward_memory_bytes=20 * 2**30,
+               peak_step_memory_bytes=30 * 2**30, routing_map_bytes_allocated_per_step=2**20, dispatch_host_ms=[0.5],
+               ran_ahead_rounds=[False], dispatches_ahead_rounds=[3], gpu_busy_ms=100.25,
+               runahead=dict(host_idle_ms=1.0, host_behind_sleep_ms=300.0, gpu_sleep_ms=300.0, ran_ahead=False,
+                             dispatches_ahead=3, dispatches=8))  # fmt: skip
+    rows = [report.aggregate(m, [_rank_result(m.name, **row)]) for m in all_modes(1.5)]
+    report.add_ratios(rows)
+    default, wide = report.table(rows, cuda=True), report.table(rows, cuda=True, wide=True)
+    # Before: the wide table without the two GPU columns ("GPU ms", "step/GPU": 6 and 8 wide, 2 spaces each).
+    before = len(wide.splitlines()[0]) - (6 + 2) - (8 + 2)
+    assert len(default.splitlines()[0]) <= before
+    assert all(len(line) == len(default.splitlines()[0]) for line in default.splitlines()[1:] if line.strip())

@@ -22,7 +22,7 @@ TOKENS = 128
 RECOMPUTE = {
     "no-recompute": {},
     "moe-recompute": dict(recompute_granularity="selective", recompute_modules=["moe"]),
-    "moe_act-recompute": dict(recompute_granularity="selective", recompute_modules=["moe_act"]),
+    "moe_act-recompute": dict(recompute_granularity="selective", recompute_modules=["moe_act"], moe_grouped_gemm=True),
 }
 
 
@@ -64,6 +64,7 @@ class Captured:
 
     def _step(self) -> torch.Tensor:
         self.layer.zero_grad(set_to_none=True)
+        self.x.grad = None  # made afresh by each step's backward, not accumulated
         out = self.layer(self.x)[0]
         (out * _loss_weights(out)).sum().backward()
         return out
@@ -118,6 +119,8 @@ def _full_iteration(layer, rerun):
 def _schedule(*, model, data_iterator, num_microbatches, forward_only=False, **_):
     """Megatron's schedule in miniature; gradients accumulate in place (as in Megatron's DDP buffers)."""
     layer, losses = model[0], []
+    if isinstance(data_iterator, list):  # one iterator per model chunk, as FullCudaGraphWrapper hands it
+        data_iterator = data_iterator[0]
     for _ in range(num_microbatches):
         x = next(data_iterator)["x"].detach().requires_grad_(True)
         out = layer(x)[0]

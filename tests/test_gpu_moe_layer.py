@@ -116,7 +116,7 @@ def _modes():
     return [
         m
         for m in all_modes(1.5)
-        if m.name != BLOCKING and not m.needs_deep_ep and not m.needs_te and not m.overflow_rerun
+        if m.name != BLOCKING and not m.needs_deep_ep and not m.needs_te and not m.overflow_rerun and not m.graph
     ]
 
 

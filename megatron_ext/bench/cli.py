@@ -2,7 +2,8 @@
 
     megatron-ext-bench                        # one rank per GPU (NCCL); without a GPU, 4 CPU ranks (gloo)
     megatron-ext-bench --json out.json --plot out.png
-    torchrun --nproc-per-node 8 -m megatron_ext.bench --layers 8 --hidden 4096 --experts 64 --topk 8
+    megatron-ext-bench --size mid --steps 10      # a named stack size (SIZES); a size flag overrides its field
+    torchrun --nproc-per-node 8 -m megatron_ext.bench --size large
 
 Exits 0 when every mode's outputs and gradients equal the blocking mode's (bitwise for
 megatron-ext's torch modes; within a tolerance for stock Megatron and deep_ep, which sum in
@@ -30,22 +31,68 @@ from megatron_ext.logs import log_with_rank_prefix
 from megatron_ext.options import capacity_factor_argument
 from megatron_ext.tooling.ranks import run_on_ranks, this_rank, under_torchrun
 
+# Named stacks, so a command names its size instead of spelling six flags: the sizes the
+# benchmarks report (docs/benchmarks.md). Without --size, DEFAULT_SIZE (a stack CPU ranks run in seconds).
+SIZE_FIELDS = ("layers", "tokens", "hidden", "ffn_hidden", "experts", "topk")
+SIZES = {
+    "small": dict(layers=8, tokens=512, hidden=512, ffn_hidden=256, experts=16, topk=2),
+    "mid": dict(layers=4, tokens=4096, hidden=2048, ffn_hidden=1024, experts=32, topk=4),
+    "fine": dict(layers=8, tokens=4096, hidden=2048, ffn_hidden=768, experts=128, topk=8),
+    "large": dict(layers=8, tokens=8192, hidden=4096, ffn_hidden=1024, experts=64, topk=8),
+}
+DEFAULT_SIZE = dict(layers=2, tokens=256, hidden=128, ffn_hidden=128, experts=8, topk=2)
+
+
+def _describe_size(fields: dict) -> str:
+    return (
+        f"{fields['layers']} layers, T {fields['tokens']}, H {fields['hidden']}, FFN {fields['ffn_hidden']}, "
+        f"E {fields['experts']}, top-{fields['topk']}"
+    )
+
+
+def fill_sizes(args: argparse.Namespace) -> argparse.Namespace:
+    """Each stack-size field left unset (None) from `args.size`'s preset, or else from DEFAULT_SIZE;
+    a field given as a flag stays. Only the fields `args` has (a tool may take a few of them)."""
+    preset = SIZES[args.size] if getattr(args, "size", None) else DEFAULT_SIZE
+    for name in SIZE_FIELDS:
+        if hasattr(args, name) and getattr(args, name) is None:
+            setattr(args, name, preset[name])
+    return args
+
+
+class SizedParser(argparse.ArgumentParser):
+    """A parser whose results have the stack sizes filled in (`fill_sizes`): the size flags default
+    to None so that one given next to --size can be told from one left out."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        parsed, rest = super().parse_known_args(args, namespace)
+        return fill_sizes(parsed), rest
+
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = SizedParser(
         prog="megatron-ext-bench",
         description="Run every dispatch mode on one stack of Megatron-Core MoE layers: check the results "
         "against the blocking mode, count host syncs and bytes, time the steps.",
         epilog="Modes: " + ", ".join(m.name for m in all_modes(1.5)) + " (deep_ep ones where deep_ep imports, "
-        "+te ones on a GPU with Transformer Engine).",
+        "+te ones on a GPU with Transformer Engine, +graph ones on a GPU).",
     )
     size = p.add_argument_group("the MoE stack (the same in every mode)")
-    size.add_argument("--layers", type=int, default=2, help="MoE layers, each on the same input (default 2)")
-    size.add_argument("--tokens", type=int, default=256, help="tokens per rank (default 256)")
-    size.add_argument("--hidden", type=int, default=128, help="hidden size (default 128)")
-    size.add_argument("--ffn-hidden", type=int, default=128, help="each expert's FFN hidden size (default 128)")
-    size.add_argument("--experts", type=int, default=8, help="experts in all; divisible by the ranks (default 8)")
-    size.add_argument("--topk", type=int, default=2, help="experts per token (default 2)")
+    size.add_argument(
+        "--size",
+        choices=tuple(SIZES),
+        default=None,
+        help="a named stack: "
+        + "; ".join(f"{name}: {_describe_size(fields)}" for name, fields in SIZES.items())
+        + ". A size flag given with it overrides that field (default: the defaults below)",
+    )
+    d = DEFAULT_SIZE  # the defaults are filled in after parsing (SizedParser), so --size can set them
+    size.add_argument("--layers", type=int, help=f"MoE layers, each on the same input (default {d['layers']})")
+    size.add_argument("--tokens", type=int, help=f"tokens per rank (default {d['tokens']})")
+    size.add_argument("--hidden", type=int, help=f"hidden size (default {d['hidden']})")
+    size.add_argument("--ffn-hidden", type=int, help=f"each expert's FFN hidden size (default {d['ffn_hidden']})")
+    size.add_argument("--experts", type=int, help=f"experts in all; divisible by the ranks (default {d['experts']})")
+    size.add_argument("--topk", type=int, help=f"experts per token (default {d['topk']})")
     size.add_argument(
         "--dtype", choices=("auto", *DTYPES), default="auto", help="auto: bf16 on GPUs, fp32 on CPU (default)"
     )
@@ -81,6 +128,9 @@ def parser() -> argparse.ArgumentParser:
     out = p.add_argument_group("output")
     out.add_argument("--json", metavar="PATH", help="write every number (per rank too) as JSON")
     out.add_argument("--plot", metavar="PATH", help="write a PNG of step time and host syncs per mode (matplotlib)")
+    out.add_argument(
+        "--wide", action="store_true", help="the table's less used columns too: held after fwd, sent/dispatch"
+    )
     out.add_argument("--no-progress", action="store_true", help="no progress bar")
     out.add_argument("--verbose", action="store_true", help="megatron-ext's log (patching, calibration) on stderr")
     return p
@@ -156,6 +206,7 @@ def sizes_of(args) -> Sizes:
         seed=args.seed,
         runahead_sleep_ms=args.runahead_sleep_ms,
         repeat=args.repeat,
+        size=getattr(args, "size", None),
     )
 
 
@@ -254,8 +305,10 @@ def _print_report(args, sizes, world_size, rows, facts, problems) -> None:
 
     cuda = args.device == "cuda"
     load = facts.get("expert_load_max_over_mean")
+    named = f"size {sizes.size}: " if sizes.size else ""
     title = (
-        f"megatron-ext-bench: {_machine(args, world_size)}; {sizes.layers} MoE layers (summed), T {sizes.tokens}/rank, "
+        f"megatron-ext-bench: {_machine(args, world_size)}; {named}{sizes.layers} MoE layers (summed), "
+        f"T {sizes.tokens}/rank, "
         f"H {sizes.hidden}, FFN {sizes.ffn_hidden}, E {sizes.experts}, top-{sizes.topk}, {sizes.dtype}, "
         f"skew {sizes.skew:g}, capacity factor {sizes.capacity_factor:g}"
     )
@@ -267,9 +320,9 @@ def _print_report(args, sizes, world_size, rows, facts, problems) -> None:
         f"per mode: {sizes.check_steps} checked + {sizes.warmup} warm-up + 1 counted + {sizes.steps} timed "
         f"steps on the same inputs and weights{rounds}\n"
     )
-    print(report.table(rows, cuda))
+    print(report.table(rows, cuda, wide=args.wide))
     print()
-    print(report.legend(rows, cuda, sizes))
+    print(report.legend(rows, cuda, sizes, wide=args.wide))
     print()
     if problems:
         for problem in problems:

@@ -13,13 +13,18 @@ Collectives issued by other libraries' own kernels (deep_ep's) are not seen: rep
 `DispatchTimer` times, per MoE layer forward, the host time from the layer's dispatch
 preprocessing to the end of its token dispatch (Megatron's `MoELayer.preprocess` + `dispatch`),
 which is where a dispatcher reads counts on the host, if it does.
+
+`gpu_operations()` lists what the GPU ran during a step (torch.profiler, CUDA only): the bench's
+GPU busy time per step (`busy_ms`) and `python -m megatron_ext.bench.profile`'s kernel table
+(`kernel_times`) both come from it.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -159,3 +164,39 @@ class DispatchTimer:
             return result
 
         layer.preprocess, layer.dispatch = timed_preprocess, timed_dispatch
+
+
+def gpu_operations(step: Callable[[], object], steps: int = 1) -> list[tuple[str, float, float]]:
+    """(name, start us, end us) of every kernel, copy and memset the GPU ran in `steps` calls of `step()`."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    return [
+        (event.name, event.time_range.start, event.time_range.end)
+        for event in prof.events()
+        if event.device_type == torch.autograd.DeviceType.CUDA
+    ]
+
+
+def kernel_times(step: Callable[[], object], steps: int) -> dict[str, float]:
+    """GPU milliseconds per step by kernel (or copy/memset) name, over `steps` calls of `step()`."""
+    times: dict[str, float] = collections.defaultdict(float)
+    for name, start, end in gpu_operations(step, steps):
+        times[name] += (end - start) / 1e3 / steps
+    return dict(times)
+
+
+def busy_ms(operations: list[tuple[str, float, float]]) -> float:
+    """Milliseconds in which at least one of `operations` ran (from `gpu_operations`).
+
+    The union of their intervals, not their sum: operations on two streams (a collective's next
+    to a GEMM) that overlap count once, so the busy time never exceeds the wall time it spans.
+    """
+    total = 0.0
+    reached = float("-inf")  # the latest end so far, in start order
+    for _, start, end in sorted(operations, key=lambda operation: operation[1]):
+        if end > reached:
+            total += end - max(start, reached)
+            reached = end
+    return total / 1e3

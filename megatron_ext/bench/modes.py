@@ -6,7 +6,7 @@ differs between two rows of the table is the dispatch alone.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 FLEX = dict(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="hybridep")
@@ -27,6 +27,10 @@ class Mode:
     overflow_rerun: each step runs through `megatron_ext.recovery.OverflowRerun`, as Megatron's
     training loop does with `--moe-hybridep-overflow-policy rerun`: the step's end check (one
     all-reduce, one host read) and the headroom metrics are in the step.
+    graph: after two eager steps (capacity mode's blocking calibration, then the non-blocking path,
+    which compiles its kernels), the bench captures one whole forward+backward step in a CUDA graph
+    and replays it for every step it checks, counts and times (`megatron_ext.bench.graphed`): what
+    a step costs once the host launches nothing but the replay. On a GPU only; skipped on CPU.
     """
 
     name: str
@@ -37,6 +41,7 @@ class Mode:
     needs_deep_ep: bool = False
     experts: str = "grouped"
     overflow_rerun: bool = False
+    graph: bool = False
 
     @property
     def needs_te(self) -> bool:
@@ -48,6 +53,15 @@ STOCK = "megatron"
 STOCK_TE = "megatron+te"
 TE_FLAGS = ("--transformer-impl transformer_engine", "--moe-grouped-gemm")
 OP_FUSER_FLAGS = (*TE_FLAGS, "--use-transformer-engine-op-fuser")
+# The modes that have a `+graph` twin, listed right after them: the same flags, overrides and check.
+GRAPHED = ("capacity+equal", "deep_ep+capacity+equal+reuse")
+GRAPH_SKIP_REASON = "CUDA graphs need a GPU"
+
+
+def graphed(mode: Mode) -> Mode:
+    """`mode` with its whole step captured in a CUDA graph: `+graph` after its name, nothing else changed."""
+    summary = f"as {mode.name}, the whole step captured once in a CUDA graph and replayed (GPU only)"
+    return replace(mode, name=f"{mode.name}+graph", summary=summary, graph=True)
 
 
 def all_modes(capacity_factor: float) -> tuple[Mode, ...]:
@@ -57,7 +71,7 @@ def all_modes(capacity_factor: float) -> tuple[Mode, ...]:
     torch_impl = dict(FLEX, moe_hybridep_implementation="torch")
     flex_flags = ("--moe-token-dispatcher-type flex", "--moe-flex-dispatcher-backend hybridep")
     factor_flag = f"--moe-hybridep-capacity-factor {capacity_factor}"
-    return (
+    modes = (
         Mode(
             STOCK,
             "stock Megatron-Core: the alltoall dispatcher",
@@ -176,6 +190,7 @@ def all_modes(capacity_factor: float) -> tuple[Mode, ...]:
             experts="te-op-fuser",
         ),
     )
+    return tuple(m for mode in modes for m in ((mode, graphed(mode)) if mode.name in GRAPHED else (mode,)))
 
 
 def select(names: list[str] | None, capacity_factor: float) -> tuple[Mode, ...]:

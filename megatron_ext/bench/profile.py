@@ -1,7 +1,6 @@
 """Where a mode's GPU time and memory go: a kernel table and a memory breakdown per mode.
 
-    python -m megatron_ext.bench.profile --layers 8 --tokens 8192 --hidden 4096 --ffn-hidden 1024 \\
-        --experts 64 --topk 8 --modes blocking,capacity+equal --out profile/
+    python -m megatron_ext.bench.profile --size large --modes blocking,capacity+equal --out profile/
 
 One CUDA GPU, one rank, the bench's stack (same weights and inputs in every mode). Per mode, after
 warm-up steps (the first calibrates capacity mode):
@@ -17,6 +16,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import functools
 import gzip
 import os
 import pickle
@@ -24,6 +24,8 @@ import sys
 from collections.abc import Iterator
 
 import torch
+
+from megatron_ext.bench.counters import kernel_times
 
 
 @contextlib.contextmanager
@@ -51,11 +53,13 @@ def one_gpu_rank(seed: int = 0) -> Iterator[torch.device]:
 
 
 def size_arguments(prog: str, description: str, extra: tuple[str, ...] = ()) -> argparse.ArgumentParser:
-    """A parser with the bench's stack-size flags (same names and defaults) and `extra` of its flags."""
+    """A parser with the bench's stack-size flags (same names and defaults, --size too) and `extra`
+    of its flags; what it parses has the sizes filled in, as the bench's does."""
+    from megatron_ext.bench.cli import SIZE_FIELDS, SizedParser
     from megatron_ext.bench.cli import parser as bench_parser
 
-    p = argparse.ArgumentParser(prog=prog, description=description)
-    wanted = {"layers", "tokens", "hidden", "ffn_hidden", "experts", "topk", "modes", *extra}
+    p = SizedParser(prog=prog, description=description)
+    wanted = {"size", *SIZE_FIELDS, "modes", *extra}
     for action in bench_parser()._actions:
         if action.dest in wanted:
             p._add_action(action)
@@ -63,32 +67,21 @@ def size_arguments(prog: str, description: str, extra: tuple[str, ...] = ()) -> 
 
 
 def sizes_from(args):
-    """The bench's `Sizes` for `args`, bf16, the bench's defaults for everything else."""
+    """The bench's `Sizes` for `args`, bf16, the bench's defaults for everything else (sizes left
+    None in `args` from its --size, as the bench fills them)."""
+    from megatron_ext.bench.cli import fill_sizes, sizes_of
     from megatron_ext.bench.cli import parser as bench_parser
-    from megatron_ext.bench.cli import sizes_of
 
-    full = bench_parser().parse_args([])
+    size = getattr(args, "size", None)
+    full = bench_parser().parse_args(["--size", size] if size else [])
     vars(full).update(vars(args), dtype="bf16")
-    return sizes_of(full)
+    return sizes_of(fill_sizes(full))
 
 
 def _step(stack, x, weights):
     inp = x.detach().requires_grad_(True)
     stack.zero_grad(set_to_none=True)
     (stack(inp).float() * weights).sum().backward()
-
-
-def kernel_times(stack, x, weights, steps: int) -> dict[str, float]:
-    """GPU milliseconds per step by kernel (or copy/memset) name."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            _step(stack, x, weights)
-        torch.cuda.synchronize()
-    times: dict[str, float] = collections.defaultdict(float)
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            times[event.name] += event.time_range.elapsed_us() / 1e3 / steps
-    return dict(times)
 
 
 def _origin(frames: list[dict]) -> str:
@@ -168,12 +161,15 @@ def main(argv=None) -> int:
         weights = torch.linspace(-1.0, 1.0, x.numel(), device=device).view(x.shape)
         say(f"{torch.cuda.get_device_name()}: {sizes}")
         for mode in modes:
+            if mode.graph:  # this tool steps eagerly; a replay runs its eager twin's kernels
+                say(f"\n## {mode.name}: not profiled here (the bench's GPU ms column times its replay)")
+                continue
             torch.manual_seed(args.seed)
             try:
                 stack = MoEStack(megatron_config(sizes, 1, device, mode), args.layers, mode.experts).to(device)
                 for _ in range(args.warmup):
                     _step(stack, x, weights)
-                times[mode.name] = kernel_times(stack, x, weights, args.steps)
+                times[mode.name] = kernel_times(functools.partial(_step, stack, x, weights), args.steps)
                 snapshot = record_memory(stack, x, weights, os.path.join(args.out, f"memory-{mode.name}.pickle.gz"))
             except Exception as exc:  # a mode that cannot run here (deep_ep, TE) is reported, not fatal
                 say(f"\n## {mode.name}: not profiled: {type(exc).__name__}: {exc}")

@@ -41,10 +41,13 @@ def aggregate(mode: Mode, per_rank: list[dict]) -> dict[str, Any]:
     rounds = [max(times) for times in zip(*(r["round_step_ms"] for r in per_rank))]  # slowest rank per round
     probed_rounds = len(first["ran_ahead_rounds"])
     rounds_ran_ahead = min(sum(r["ran_ahead_rounds"]) for r in per_rank)  # on every rank
+    # None where no dispatch is seen from Python (a graph replay).
+    ahead = [d for r in per_rank for d in r["dispatches_ahead_rounds"] if d is not None]
     return dict(
         name=mode.name,
         summary=mode.summary,
         experts=mode.experts,
+        graph=mode.graph,
         flags=list(mode.flags),
         status=status,
         detail=detail,
@@ -53,6 +56,7 @@ def aggregate(mode: Mode, per_rank: list[dict]) -> dict[str, Any]:
         step_ms=_worst([_median(r["step_ms"]) for r in per_rank]),
         round_step_ms=rounds,
         host_step_ms=_worst([_median(r["host_step_ms"]) for r in per_rank]),
+        gpu_busy_ms=_worst([r.get("gpu_busy_ms") for r in per_rank]),
         dispatch_host_ms=_worst([_median(r["dispatch_host_ms"]) for r in per_rank]),
         host_syncs_per_step=_worst([r["host_syncs_per_step"] for r in per_rank]),
         sync_examples=first["sync_examples"],
@@ -75,7 +79,7 @@ def aggregate(mode: Mode, per_rank: list[dict]) -> dict[str, Any]:
             ran_ahead=rounds_ran_ahead == probed_rounds,
             rounds_ran_ahead=rounds_ran_ahead,
             rounds=probed_rounds,
-            dispatches_ahead=min(min(r["dispatches_ahead_rounds"]) for r in per_rank),
+            dispatches_ahead=min(ahead) if ahead else None,
             dispatches=runaheads[0]["dispatches"],
             host_idle_ms=max(r["host_idle_ms"] for r in runaheads),
             host_behind_sleep_ms=max(r["host_behind_sleep_ms"] for r in runaheads),
@@ -87,11 +91,15 @@ def aggregate(mode: Mode, per_rank: list[dict]) -> dict[str, Any]:
 
 def add_ratios(rows: list[dict]) -> None:
     """`step_vs_stock`: each mode's step time over stock Megatron's with the same family of experts
-    (`megatron` for megatron-ext's GroupedMLP, `megatron+te` for TE's); None without that row."""
+    (`megatron` for megatron-ext's GroupedMLP, `megatron+te` for TE's); None without that row.
+    `step_vs_gpu`: the step time over the GPU's busy time in a step (None without both): near 1 the
+    GPU sets the pace; above it the GPU idles for that share of the step, waiting on the host."""
     stock = {r["experts"]: r["step_ms"] for r in rows if r["name"] in (STOCK, STOCK_TE) and r["step_ms"]}
     for row in rows:
         family = "grouped" if row["experts"] == "grouped" else "te"
         row["step_vs_stock"] = row["step_ms"] / stock[family] if stock.get(family) and row["step_ms"] else None
+        busy = row.get("gpu_busy_ms")
+        row["step_vs_gpu"] = row["step_ms"] / busy if busy and row["step_ms"] else None
 
 
 def failures(rows: list[dict]) -> list[str]:
@@ -133,28 +141,40 @@ def _ran_ahead(runahead: Optional[dict]) -> str:
         return "step"
     if runahead["rounds"] > 1 and runahead["rounds_ran_ahead"] > 0:
         return f"step in {runahead['rounds_ran_ahead']}/{runahead['rounds']} rounds"
+    if runahead["dispatches_ahead"] is None:  # a graph replay: its dispatches are not seen
+        return "no"
     return f"{runahead['dispatches_ahead']}/{runahead['dispatches']} disp."
 
 
-def table(rows: list[dict], cuda: bool) -> str:
+def table(rows: list[dict], cuda: bool, wide: bool = False) -> str:
+    """The table; `wide` adds the columns the default leaves to the JSON (held after fwd, sent/dispatch),
+    so that the GPU columns (GPU ms, step/GPU) fit in the width the table had before them."""
     repeated = any(len(r.get("round_step_ms") or []) > 1 for r in rows)
     header = ["mode", "vs blocking", "step ms"] + (["round medians"] if repeated else [])
+    header += ["GPU ms", "step/GPU"] if cuda else []
     header += ["x stock", "dispatch host ms", "syncs/step", "all-reduces/step"]
-    header += ["ran ahead", "peak step mem", "held after fwd"] if cuda else []
-    header += ["capacity / used", "map alloc/step", "sent/dispatch", "overflows"]
+    if cuda:
+        header += ["ran ahead", "peak step mem"] + (["held after fwd"] if wide else [])
+    header += ["capacity / used", "map alloc/step"] + (["sent/dispatch"] if wide else []) + ["overflows"]
     lines = []
     for r in rows:
         if r["status"] == "skipped":
             lines.append([r["name"], "skipped"] + [""] * (len(header) - 2))
             continue
-        equal = "reference" if r["name"] == BLOCKING else r["equal_to_blocking"]
-        if equal not in ("bitwise", "reference") and r["max_rel_error"]:
+        if r["status"] == "failed":
+            equal = "failed"
+        elif r["name"] == BLOCKING:
+            equal = "reference"
+        else:
+            equal = r["equal_to_blocking"]
+        if equal not in ("bitwise", "reference", "failed") and r["max_rel_error"]:
             equal = f"{equal} ({r['max_rel_error']:.1e})"
         cells = [
             r["name"],
             equal,
             _fmt(r["step_ms"], ".2f"),
             *([_spread(r["round_step_ms"])] if repeated else []),
+            *([_fmt(r.get("gpu_busy_ms"), ".2f"), _fmt(r.get("step_vs_gpu"), ".2f")] if cuda else []),
             _fmt(r["step_vs_stock"], ".2f"),
             _fmt(r["dispatch_host_ms"], ".3f"),
             _fmt(r["host_syncs_per_step"], "d"),
@@ -163,9 +183,12 @@ def table(rows: list[dict], cuda: bool) -> str:
         if cuda:
             cells.append(_ran_ahead(r["runahead"]))
             cells.append(_bytes(r["peak_step_memory_bytes"]))
-            cells.append(_bytes(r.get("forward_memory_bytes")))
+            if wide:
+                cells.append(_bytes(r.get("forward_memory_bytes")))
         cells.append(_capacity(r))
-        cells += [_bytes(r["routing_map_bytes_allocated_per_step"]), _bytes(r["bytes_sent_per_dispatch"])]
+        cells.append(_bytes(r["routing_map_bytes_allocated_per_step"]))
+        if wide:
+            cells.append(_bytes(r["bytes_sent_per_dispatch"]))
         overflows = _fmt(r["overflows"], "d")
         if r.get("reruns"):
             overflows += f" ({r['reruns']} re-run)"
@@ -180,12 +203,21 @@ def table(rows: list[dict], cuda: bool) -> str:
     return "\n".join(render)
 
 
-def legend(rows: list[dict], cuda: bool, sizes) -> str:
+def legend(rows: list[dict], cuda: bool, sizes, wide: bool = False) -> str:
     clock = "CUDA events" if cuda else "the host clock"
     rounds = f" in each of {sizes.repeat} rounds" if sizes.repeat > 1 else ""
     lines = [
         f"step ms: median of {sizes.steps} timed forward+backward steps{rounds} ({clock}), slowest rank; x stock: "
         "over stock Megatron's with the same experts (megatron+te for the TE rows).",
+    ]
+    if cuda:
+        lines.append(
+            "GPU ms: the time the GPU was busy (a kernel, copy or memset running; overlaps counted once) in one more "
+            "step profiled with torch.profiler, slowest rank, lowest round; a collective's kernel counts while it "
+            "waits for the other ranks. step/GPU: step ms over it: near 1 the GPU sets the pace; 1.5: the GPU "
+            "idles a third of the step, waiting for the host's launches or syncs."
+        )
+    lines += [
         "dispatch host ms: host time of one forward dispatch call (MoELayer.preprocess + dispatch), median, slowest "
         "rank.",
         "syncs/step: host reads of device values in one step, counted by megatron_ext.tooling.sync.count_host_syncs.",
@@ -209,19 +241,30 @@ def legend(rows: list[dict], cuda: bool, sizes) -> str:
         )
         lines.append(
             "peak step mem: the largest rank's peak allocation during a step, above its start with the last "
-            "step's gradients freed (activations, this step's gradients, transients); held after fwd: what the "
-            "forward left allocated for the backward."
+            "step's gradients freed (activations, this step's gradients, transients)"
+            + ("; held after fwd: what the forward left allocated for the backward." if wide else ".")
         )
     lines.append(
         "capacity / used: capacity-mode rows per dispatch (min-max over the layers) / the most rows any "
         "dispatch filled (max over layers, steps and ranks): the padding paid for is the difference."
     )
-    lines += [
+    lines.append(
         "map alloc/step: routing-map all-gather bytes allocated per step and rank ('-': no such gather, or not "
-        "visible).",
-        "sent/dispatch: bytes a rank hands collectives for other ranks in one forward dispatch ('-': not visible).",
-        "modes:",
-    ]
+        "visible)."
+    )
+    if wide:
+        lines.append(
+            "sent/dispatch: bytes a rank hands collectives for other ranks in one forward dispatch ('-': not visible)."
+        )
+    else:
+        lines.append(f"--wide adds {'held after fwd and ' if cuda else ''}sent/dispatch (the JSON always has them).")
+    if any(r.get("graph") and r["status"] not in ("skipped", "failed") for r in rows):
+        lines.append(
+            "+graph: every step after the capture is one replay of a CUDA graph, which runs no Python: what is "
+            "counted at Python calls (dispatch host ms, all-reduces, bytes, map alloc) reads '-', syncs/step counts "
+            "the replay's (none can happen), and peak step mem is the capture's (the graph's pool keeps it)."
+        )
+    lines.append("modes:")
     for r in rows:
         lines.append(f"  {r['name']}: {r['summary']}")
         lines.append("      " + " ".join(r["flags"]))

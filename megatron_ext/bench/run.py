@@ -1,6 +1,9 @@
 """One rank's work: build the same MoE stack in every mode, check it, count it, time it.
 
 Per mode, in this order (the same inputs and weights in every mode):
+0. `+graph` modes (GPU only): two eager steps on the first two inputs (capacity mode's blocking
+   calibration, then the non-blocking path), then one whole step captured in a CUDA graph
+   (`megatron_ext.bench.graphed.GraphedStep`); every step below is then a replay of it;
 1. `check_steps` forward+backward steps (the first one calibrates capacity mode); outputs, input
    gradients and every parameter gradient are compared with the blocking mode's;
 2. `warmup` steps;
@@ -8,7 +11,9 @@ Per mode, in this order (the same inputs and weights in every mode):
    bytes sent per step and per forward dispatch;
 4. `steps` timed steps (CUDA events on a GPU, the host clock on CPU): step time, host time of
    each forward dispatch, peak memory above the step's start (GPU), routing-map bytes allocated;
-5. on a GPU, `runahead_probe()`: does the host enqueue a step while the GPU sleeps?
+5. on a GPU, one more step under torch.profiler: the time the GPU was busy in it (kernels, copies,
+   memsets), to set against the step time;
+6. on a GPU, `runahead_probe()`: does the host enqueue a step while the GPU sleeps?
 
 With `repeat` > 1 all of this runs `repeat` times, mode after mode in table order, so drift in the
 machine's speed spreads over every mode instead of landing on one; each round's median is kept.
@@ -20,6 +25,7 @@ import functools
 import gc
 import statistics
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
@@ -27,8 +33,9 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from megatron_ext.bench.counters import DispatchTimer, count_collectives
-from megatron_ext.bench.modes import BLOCKING, Mode
+from megatron_ext.bench.counters import DispatchTimer, busy_ms, count_collectives, gpu_operations
+from megatron_ext.bench.graphed import GraphedStep
+from megatron_ext.bench.modes import BLOCKING, GRAPH_SKIP_REASON, Mode
 from megatron_ext.bench.stack import (
     MoEStack,
     grads_by_name,
@@ -58,6 +65,7 @@ class Sizes:
     seed: int
     runahead_sleep_ms: float = 300.0
     repeat: int = 1
+    size: Optional[str] = None  # the `--size` preset the stack came from, if any (flags may override it)
 
     @property
     def steps_per_mode(self) -> int:
@@ -95,7 +103,8 @@ class ModeResult:
     resizes: Optional[int] = None  # overflow_rerun modes: steps after which thin headroom grew capacities
     runahead: Optional[dict] = None  # the first round's probe
     ran_ahead_rounds: list[bool] = field(default_factory=list)
-    dispatches_ahead_rounds: list[int] = field(default_factory=list)
+    dispatches_ahead_rounds: list[Optional[int]] = field(default_factory=list)  # None: not seen (a graph replay)
+    gpu_busy_ms: Optional[float] = None  # GPU: time a kernel, copy or memset ran in one profiled step (lowest round)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -123,6 +132,8 @@ class ModeResult:
         for name in ("overflows", "reruns", "resizes"):
             if getattr(later, name) is not None:
                 setattr(self, name, (getattr(self, name) or 0) + getattr(later, name))
+        if later.gpu_busy_ms is not None:  # the round least disturbed (by the other ranks' waits, say)
+            self.gpu_busy_ms = min(later.gpu_busy_ms, self.gpu_busy_ms or later.gpu_busy_ms)
 
 
 # How far a mode that sums in another order may be from blocking: ||a - b|| / ||b||.
@@ -140,12 +151,19 @@ class _Runner:
         self.reference: Optional[list] = None  # blocking's check results, on the host
         self.expert_load: Optional[float] = None
         self.recovery = None  # an OverflowRerun around `_megatron_step`, for modes with `overflow_rerun`
+        self.graphed: Optional[GraphedStep] = None  # for `graph` modes, once captured
         self._after_forward: Callable[[], None] = lambda: None
         self._stepped: Any = None
 
     # ------------------------------------------------------------- one step
 
     def step(self, stack, x, after_forward: Callable[[], None] = lambda: None):
+        """One forward+backward on `x`: (output, input gradient); the parameters' gradients on `stack`.
+
+        A graph mode's step is a replay (no `after_forward`: a replay has no point between its
+        forward and backward that the host sees)."""
+        if self.graphed is not None:
+            return self.graphed(x)
         if self.recovery is None:
             return self._step(stack, x, after_forward)
         self._after_forward = after_forward
@@ -191,6 +209,8 @@ class _Runner:
 
             self.recovery = OverflowRerun(self._megatron_step)
         try:
+            if mode.graph and not self._capture(stack, result):
+                return result
             self._check(stack, mode, result, inputs)
             for _ in range(self.sizes.warmup):
                 self.step(stack, next(inputs))
@@ -198,8 +218,14 @@ class _Runner:
             self._count(stack, timer, managers, result, next(inputs))
             self._time(stack, timer, managers, result, inputs)
             if self.device.type == "cuda":
-                probe_step = functools.partial(self.step, stack, self.inputs[-1])
-                result.runahead = _runahead(probe_step, self.sizes.runahead_sleep_ms, timer, self.sizes.layers)
+                result.gpu_busy_ms = busy_ms(gpu_operations(functools.partial(self.step, stack, self.inputs[-1])))
+                result.runahead = _runahead(
+                    functools.partial(self.step, stack, self.inputs[-1]),
+                    self.sizes.runahead_sleep_ms,
+                    timer,
+                    self.sizes.layers,
+                    dispatches_seen=self.graphed is None,
+                )
                 result.ran_ahead_rounds = [result.runahead["ran_ahead"]]
                 result.dispatches_ahead_rounds = [result.runahead["dispatches_ahead"]]
             if any(m.capacity is not None for m in managers):
@@ -210,9 +236,33 @@ class _Runner:
                 result.reruns, result.resizes = self.recovery.reruns, self.recovery.resizes
         finally:
             self.recovery = None
+            self.graphed = None  # the graph, then (with the stack's gradients) its memory pool
             del stack, timer, managers
             _release()
         return result
+
+    def _capture(self, stack, result) -> bool:
+        """A graph mode's start: two eager steps, then the capture. False, with the mode marked
+        failed, when a capture raised on any rank (then every rank drops the mode together)."""
+        for x in self.inputs[:2]:  # not taken from the mode's inputs: the checks start at the first
+            self._step(stack, x, lambda: None)
+        error = None
+        try:
+            self.graphed = GraphedStep(stack, self.inputs[0], self.loss_weights)
+        except Exception as exc:  # a capture launches no collective: the other ranks meet this rank below
+            traceback.print_exc()
+            error = _describe(exc)
+        errors = [None] * self.world_size
+        dist.all_gather_object(errors, error)
+        failed = next(((rank, e) for rank, e in enumerate(errors) if e is not None), None)
+        if failed is None:
+            return True
+        self.graphed = None
+        result.status, result.equality = "failed", ""
+        result.detail = f"CUDA graph capture failed on rank {failed[0]}: {failed[1]}"
+        for _ in range(self.sizes.steps_per_mode):
+            self.progress()
+        return False
 
     def _check(self, stack, mode, result, inputs) -> None:
         snapshots = []
@@ -255,6 +305,11 @@ class _Runner:
             timer.collectives = None
         result.host_syncs_per_step = syncs.count
         result.sync_examples = sorted({e.what for e in syncs.events})[:5]
+        self.progress()
+        if self.graphed is not None:
+            # A replay runs no Python: what is counted at Python calls (collectives, bytes,
+            # dispatches) is not seen, so it stays None; host syncs cannot happen in a replay.
+            return
         result.all_reduces_per_step = collectives.all_reduces
         result.bytes_sent_per_step = collectives.bytes_sent
         if timer.dispatch_bytes:
@@ -263,10 +318,10 @@ class _Runner:
         if stats_before is not None:
             result.blocking_dispatches_per_step = after[0] - stats_before[0]
             result.non_blocking_dispatches_per_step = after[1] - stats_before[1]
-        self.progress()
 
     def _time(self, stack, timer, managers, result, inputs) -> None:
         cuda = self.device.type == "cuda"
+        graphed = self.graphed is not None
         gathers_before = _routing_map_bytes(managers)
         events = []
         peaks, forward_held = [], []
@@ -274,10 +329,11 @@ class _Runner:
         for _ in range(self.sizes.steps):
             x = next(inputs)
             after_forward = lambda: None  # noqa: E731
-            if cuda:
+            if cuda and not graphed:
                 # Memory is measured from a start without the last step's gradients (the step
                 # frees them first anyway), so the peak counts activations, new gradients and
-                # transients, not the old gradients' release.
+                # transients, not the old gradients' release. (Not in a graph mode: its gradients
+                # are the graph's own tensors, which every replay overwrites.)
                 stack.zero_grad(set_to_none=True)
                 torch.cuda.reset_peak_memory_stats()
                 resting = torch.cuda.memory_allocated()
@@ -285,6 +341,7 @@ class _Runner:
                 def after_forward(resting=resting):
                     forward_held.append(torch.cuda.memory_allocated() - resting)
 
+            if cuda:
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
             host_start = time.perf_counter()
@@ -293,20 +350,24 @@ class _Runner:
             if cuda:
                 end.record()
                 events.append((start, end))
-                peaks.append(torch.cuda.max_memory_allocated() - resting)
+                if not graphed:
+                    peaks.append(torch.cuda.max_memory_allocated() - resting)
             self.progress()
         timer.enabled = False
         if cuda:
             torch.cuda.synchronize()
             result.step_ms = [s.elapsed_time(e) for s, e in events]
-            result.peak_step_memory_bytes = max(peaks)
-            result.forward_memory_bytes = max(forward_held)
+            if graphed:  # a replay allocates nothing: what the step needs is what the capture took
+                result.peak_step_memory_bytes = self.graphed.capture_peak_bytes
+            else:
+                result.peak_step_memory_bytes = max(peaks)
+                result.forward_memory_bytes = max(forward_held)
         else:
             result.step_ms = list(result.host_step_ms)
         result.round_step_ms = [statistics.median(result.step_ms)]
         result.dispatch_host_ms = timer.samples_ms
         gathers_after = _routing_map_bytes(managers)
-        if gathers_before is not None and gathers_after is not None:
+        if gathers_before is not None and gathers_after is not None and not graphed:  # counted in Python
             result.routing_map_bytes_allocated_per_step = (gathers_after - gathers_before) / self.sizes.steps
 
 
@@ -368,10 +429,11 @@ def _compare(reference: list, actual: list) -> tuple[bool, float]:
     return bitwise, worst
 
 
-def _runahead(step, sleep_ms: float, timer, layers: int) -> dict:
+def _runahead(step, sleep_ms: float, timer, layers: int, dispatches_seen: bool = True) -> dict:
     """The probe's verdict on a whole step, and how many of the step's forward dispatches the host
     got past while the GPU slept (a step of more kernels than CUDA's launch queue holds stops the
-    host however free of syncs it is; a blocking dispatch stops it at the first layer)."""
+    host however free of syncs it is; a blocking dispatch stops it at the first layer). Without
+    `dispatches_seen` (a graph replay calls no dispatch in Python) that count is None."""
     from megatron_ext.tooling.sync import runahead_probe
 
     probe = runahead_probe(step, sleep_ms=sleep_ms)
@@ -382,9 +444,22 @@ def _runahead(step, sleep_ms: float, timer, layers: int) -> dict:
         host_behind_sleep_ms=probe.host_behind_sleep_ms,
         gpu_sleep_ms=probe.gpu_sleep_ms,
         ran_ahead=not probe.waited,
-        dispatches_ahead=sum(t < woke for t in returned),
+        dispatches_ahead=sum(t < woke for t in returned) if dispatches_seen else None,
         dispatches=layers,
     )
+
+
+def _describe(exc: BaseException) -> str:
+    """`exc` on one line; a capture that failed inside `torch.cuda.graph` raises again as it ends
+    (the capture was invalidated), and the first error is the one that says why."""
+
+    def line(e: BaseException) -> str:
+        return f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+
+    first = exc.__context__
+    if first is not None and not exc.__suppress_context__:
+        return f"{line(first)} (then, ending the capture: {line(exc)})"
+    return line(exc)
 
 
 def _release() -> None:
@@ -420,7 +495,9 @@ def run_modes(
         for mode in sorted(modes, key=lambda m: m.name != BLOCKING):  # the reference first
             starting(mode.name)
             why = None
-            if mode.needs_deep_ep and deep_ep_error is not None:
+            if mode.graph and device.type != "cuda":
+                why = GRAPH_SKIP_REASON
+            elif mode.needs_deep_ep and deep_ep_error is not None:
                 why = deep_ep_error
             elif mode.needs_te and te_error is not None:
                 why = te_error
