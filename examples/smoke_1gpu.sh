@@ -19,7 +19,8 @@
 # Env: MODE=capacity|blocking, PYTHON (default: the checkout's .venv/bin/python where it exists,
 # else python), DRY_RUN=1 (check the flags with Megatron's parser on any machine, no GPU:
 # pretrain_moe.py --megatron-ext-dry-run).
-# Extra arguments go to pretrain_moe.py after these (a later flag wins).
+# Extra arguments go to pretrain_moe.py after these (a later flag wins). CUDA graphs of the whole
+# step (capacity mode): --cuda-graph-impl full_iteration --no-check-for-nan-in-loss-and-grad.
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 # The checkout's environment (.ci/setup) where there is one, as the README's setup line makes it.
