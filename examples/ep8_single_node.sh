@@ -19,16 +19,18 @@
 # the logged losses should match those of MODE=capacity (the default).
 #
 # Env: GPUS (default 8: the process count and the expert-parallel size; 64 must divide by it),
-# MODE=capacity|blocking, PYTHON (default: the checkout's .venv/bin/python where it exists, else
-# python), DRY_RUN=1 (check the flags with Megatron's parser on any machine, no GPU:
-# pretrain_moe.py --megatron-ext-dry-run).
-# Extra arguments go to pretrain_moe.py after these (a later flag wins).
+# MODE=capacity|blocking, PRECISION=bf16|fp16 (default bf16: passes --bf16 or --fp16), PYTHON
+# (default: the checkout's .venv/bin/python where it exists, else python), DRY_RUN=1 (check the
+# flags with Megatron's parser on any machine, no GPU: pretrain_moe.py --megatron-ext-dry-run).
+# Extra arguments go to pretrain_moe.py after these (a later flag wins, but --fp16 and --bf16 are
+# two switches: set PRECISION rather than append the other one).
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 # The checkout's environment (.ci/setup) where there is one, as the README's setup line makes it.
 [ -x "$here/../.venv/bin/python" ] && default_python=$here/../.venv/bin/python || default_python=python
 PYTHON=${PYTHON:-$default_python}
 MODE=${MODE:-capacity}
+PRECISION=${PRECISION:-bf16}
 GPUS=${GPUS:-8}
 
 args=(
@@ -48,7 +50,7 @@ args=(
   --moe-hybridep-reuse-allgather-buffer
   --micro-batch-size 1 --global-batch-size $((GPUS * 4))
   --use-distributed-optimizer
-  --bf16 --lr 3e-4 --min-lr 3e-5 --lr-warmup-iters 10 --lr-decay-style cosine --seed 1234
+  "--$PRECISION" --lr 3e-4 --min-lr 3e-5 --lr-warmup-iters 10 --lr-decay-style cosine --seed 1234
   # No evaluation; megatron-core 0.19.2 still divides by --eval-interval, which has no default.
   --train-iters 50 --eval-iters 0 --eval-interval 50 --log-interval 1
   --mock-data --tokenizer-type NullTokenizer --vocab-size 32000
@@ -57,6 +59,10 @@ case $MODE in
   capacity) args+=(--moe-hybridep-capacity-factor 1.5 --moe-hybridep-equal-token-counts) ;;
   blocking) ;;
   *) echo "MODE must be capacity or blocking, not '$MODE'" >&2; exit 2 ;;
+esac
+case $PRECISION in
+  bf16 | fp16) ;;
+  *) echo "PRECISION must be bf16 or fp16, not '$PRECISION'" >&2; exit 2 ;;
 esac
 args+=("$@")
 

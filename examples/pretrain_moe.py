@@ -27,7 +27,12 @@ capacity-mode run build the same weights and should report the same losses.
 
 `--megatron-ext-dry-run` parses and validates the flags with Megatron's own `parse_args` and
 `validate_args` (world size from WORLD_SIZE, default 1), builds the TransformerConfig and prints
-what a run would build, then exits: no GPU, no process group, any machine.
+what a run would build, then exits: no GPU, no process group, any machine. It leaves out the
+warnings Megatron and torch give while they import (Transformer Engine or apex not installed, no
+CUDA runtime...), which are about the machine the dry run happens to run on, not the flags.
+
+`--fp16` and `--bf16` are two switches (a later one does not turn an earlier one off): given both,
+the parse stops with a message naming them (the example scripts take PRECISION=bf16|fp16 instead).
 """
 
 from __future__ import annotations
@@ -36,47 +41,72 @@ import contextlib
 import dataclasses
 import functools
 import io
+import logging
 import os
 import re
 import sys
+import warnings
 from unittest import mock
 
-import torch
-from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
-from megatron.core.datasets.gpt_dataset import GPTDatasetConfig, MockGPTDataset
-from megatron.core.enums import ModelType
-from megatron.core.models.gpt import GPTModel, gpt_layer_specs
-from megatron.training import (
-    get_args,
-    get_timers,
-    get_tokenizer,
-    get_train_valid_test_num_samples,
-    pretrain,
-    print_rank_0,
-)
-from megatron.training.argument_utils import pretrain_cfg_container_from_args
-from megatron.training.arguments import (
-    core_transformer_config_from_args,
-    parse_and_validate_args,
-    parse_args,
-    validate_args,
-)
-from megatron.training.global_vars import set_args
-
-import megatron_ext.arguments
-import megatron_ext.patches
-from megatron_ext.experts import GroupedMLP
-from megatron_ext.options import (
-    CONFIG_PREFIX,
-    OPTION_NAMES,
-    HybridEPOptions,
-    deep_ep_import_error,
-    flag,
-    resolve_implementation,
-)
-from megatron_ext.patches._moe_layer import select_experts
-
 DRY_RUN = "--megatron-ext-dry-run"
+
+
+@contextlib.contextmanager
+def quiet_imports_in_a_dry_run():
+    """In a dry run, leave out the warnings given while Megatron and torch import: they say what this
+    machine lacks for training (Transformer Engine, apex, a CUDA runtime), which a dry run does not do.
+    A run that trains keeps them; megatron-ext's own warnings are kept either way."""
+    if __name__ != "__main__" or DRY_RUN not in sys.argv[1:]:
+        yield
+        return
+    cpp_extension = logging.getLogger("torch.utils.cpp_extension")  # "No CUDA runtime is found"
+    level = cpp_extension.level
+    cpp_extension.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            warnings.filterwarnings("default", module=r"megatron_ext(\.|$)")
+            yield
+    finally:
+        cpp_extension.setLevel(level)
+
+
+with quiet_imports_in_a_dry_run():
+    import torch
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDatasetConfig, MockGPTDataset
+    from megatron.core.enums import ModelType
+    from megatron.core.models.gpt import GPTModel, gpt_layer_specs
+    from megatron.training import (
+        get_args,
+        get_timers,
+        get_tokenizer,
+        get_train_valid_test_num_samples,
+        pretrain,
+        print_rank_0,
+    )
+    from megatron.training.argument_utils import pretrain_cfg_container_from_args
+    from megatron.training.arguments import (
+        core_transformer_config_from_args,
+        parse_and_validate_args,
+        parse_args,
+        validate_args,
+    )
+    from megatron.training.global_vars import set_args
+
+    import megatron_ext.arguments
+    import megatron_ext.patches
+    from megatron_ext.experts import GroupedMLP
+    from megatron_ext.options import (
+        CONFIG_PREFIX,
+        OPTION_NAMES,
+        HybridEPOptions,
+        deep_ep_import_error,
+        flag,
+        resolve_implementation,
+    )
+    from megatron_ext.patches._moe_layer import select_experts
+
 SHIFT_AT, SHIFT_BIAS = "--example-shift-routing-at", "--example-shift-routing-bias"
 # What the dry run tells validate_args when it asks the GPU (it never asks the real one).
 ASSUMED_COMPUTE_CAPABILITY = (9, 0)
@@ -108,7 +138,37 @@ def add_arguments(parser):
         "loss shows what it did).",
     )
     # Adds megatron-ext's flags only where the patch has not (it checks); always adds their checks.
-    return escape_stray_percent(megatron_ext.arguments.extra_args_provider(parser))
+    return refuse_two_precisions(escape_stray_percent(megatron_ext.arguments.extra_args_provider(parser)))
+
+
+PRECISIONS = ("--fp16", "--bf16")
+
+
+def refuse_two_precisions(parser):
+    """Stop the parse, before validate_args' bare AssertionError, when both --fp16 and --bf16 are set.
+
+    They are two store_true switches, so appending one to a script's command line does not turn the
+    other off as a later value flag would. The message (once per job, exit status 2) names the two
+    and the fix.
+    """
+    parse_known_args = parser.parse_known_args
+
+    def parse_known_args_one_precision(args=None, namespace=None):
+        parsed, extras = parse_known_args(args, namespace)
+        if getattr(parsed, "fp16", False) and getattr(parsed, "bf16", False):
+            argv = list(sys.argv[1:] if args is None else args)
+            # The one given last is the one meant (as a later flag wins for values).
+            first, last = sorted(PRECISIONS, key=lambda f: max((i for i, a in enumerate(argv) if a == f), default=-1))
+            megatron_ext.arguments.refuse(
+                parser,
+                f"{first} and {last} are both set: they are two switches, so the later {last} does not turn {first} "
+                f"off, and Megatron trains in one precision. Pass one of them; to an example script, which passes "
+                f"{first}, give PRECISION={last[2:]} (or edit the script) instead of appending {last}.",
+            )
+        return parsed, extras
+
+    parser.parse_known_args = parse_known_args_one_precision
+    return parser
 
 
 def escape_stray_percent(parser):
@@ -334,7 +394,34 @@ def no_gpu_queries():
         yield
 
 
+@contextlib.contextmanager
+def megatron_notes_in_one_line():
+    """While the dry run checks the flags, show each warning Megatron gives about them (fp16's loss
+    scaling, fp32 routing for many experts...) as one line, `<prog>: Megatron: <message>`, rather
+    than Python's two with the file and source line; others' warnings as Python shows them."""
+    megatron = os.path.dirname(os.path.dirname(sys.modules["megatron.core"].__file__)) + os.sep
+    prog = os.path.basename(sys.argv[0])
+    with warnings.catch_warnings():
+        # Megatron asks for the rank before any process group exists (print_rank_0): a dry run is rank 0.
+        warnings.filterwarnings("ignore", message="Could not determine rank", module=r"megatron\.core\._rank_utils")
+        python_shows = warnings.showwarning
+
+        def show(message, category, filename, lineno, file=None, line=None):
+            if filename.startswith(megatron):
+                print(f"{prog}: Megatron: {message}", file=sys.stderr)
+            else:
+                python_shows(message, category, filename, lineno, file, line)
+
+        warnings.showwarning = show
+        yield
+
+
 def dry_run() -> None:
+    with megatron_notes_in_one_line():
+        _dry_run()
+
+
+def _dry_run() -> None:
     args = parse_args(extra_args_provider=add_arguments)
     check_supported(args)
     # validate_args prints every argument (about 800 lines): kept for MEGATRON_EXT_DRY_RUN_ARGS=1.

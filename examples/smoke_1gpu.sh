@@ -16,17 +16,19 @@
 # MODE=blocking drops the first two (Megatron's blocking dispatch): the same run otherwise, so
 # the logged losses should match those of MODE=capacity (the default).
 #
-# Env: MODE=capacity|blocking, PYTHON (default: the checkout's .venv/bin/python where it exists,
-# else python), DRY_RUN=1 (check the flags with Megatron's parser on any machine, no GPU:
-# pretrain_moe.py --megatron-ext-dry-run).
-# Extra arguments go to pretrain_moe.py after these (a later flag wins). CUDA graphs of the whole
-# step (capacity mode): --cuda-graph-impl full_iteration --no-check-for-nan-in-loss-and-grad.
+# Env: MODE=capacity|blocking, PRECISION=bf16|fp16 (default bf16: passes --bf16 or --fp16),
+# PYTHON (default: the checkout's .venv/bin/python where it exists, else python), DRY_RUN=1 (check
+# the flags with Megatron's parser on any machine, no GPU: pretrain_moe.py --megatron-ext-dry-run).
+# Extra arguments go to pretrain_moe.py after these (a later flag wins, but --fp16 and --bf16 are
+# two switches: set PRECISION rather than append the other one). CUDA graphs of the whole step
+# (capacity mode): --cuda-graph-impl full_iteration --no-check-for-nan-in-loss-and-grad.
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 # The checkout's environment (.ci/setup) where there is one, as the README's setup line makes it.
 [ -x "$here/../.venv/bin/python" ] && default_python=$here/../.venv/bin/python || default_python=python
 PYTHON=${PYTHON:-$default_python}
 MODE=${MODE:-capacity}
+PRECISION=${PRECISION:-bf16}
 
 args=(
   --transformer-impl local
@@ -43,7 +45,7 @@ args=(
   --moe-token-dispatcher-type flex --moe-flex-dispatcher-backend hybridep
   --moe-hybridep-reuse-allgather-buffer
   --micro-batch-size 2 --global-batch-size 2
-  --bf16 --lr 1e-4 --lr-decay-style constant --seed 1234
+  "--$PRECISION" --lr 1e-4 --lr-decay-style constant --seed 1234
   # No evaluation; megatron-core 0.19.2 still divides by --eval-interval, which has no default.
   --train-iters 10 --eval-iters 0 --eval-interval 10 --log-interval 1
   --mock-data --tokenizer-type NullTokenizer --vocab-size 32000
@@ -52,6 +54,10 @@ case $MODE in
   capacity) args+=(--moe-hybridep-capacity-factor 1.5 --moe-hybridep-equal-token-counts) ;;
   blocking) ;;
   *) echo "MODE must be capacity or blocking, not '$MODE'" >&2; exit 2 ;;
+esac
+case $PRECISION in
+  bf16 | fp16) ;;
+  *) echo "PRECISION must be bf16 or fp16, not '$PRECISION'" >&2; exit 2 ;;
 esac
 args+=("$@")
 

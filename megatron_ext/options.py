@@ -321,10 +321,27 @@ def validate(config: Any) -> HybridEPOptions:
                 "use one. megatron-ext's calibrates each layer and fails on overflow; Megatron's is "
                 "a static budget whose overflow is rerun by the paged-stash runner."
             )
-        if getattr(config, "moe_pad_expert_input_to_capacity", False):
+        # Megatron's token-dropping MoE: its router drops the tokens beyond each expert's capacity
+        # (--moe-expert-capacity-factor; Megatron reads a negative factor as unset); the padding flag
+        # pads every expert's input to that capacity.
+        expert_factor = getattr(config, "moe_expert_capacity_factor", None)
+        megatron_dropping = {
+            "--moe-expert-capacity-factor": (
+                expert_factor is not None and expert_factor >= 0,
+                "Megatron's factor drops tokens per expert in the router",
+            ),
+            "--moe-pad-expert-input-to-capacity": (
+                bool(getattr(config, "moe_pad_expert_input_to_capacity", False)),
+                "Megatron's padding pads every expert's input to its token-dropping capacity",
+            ),
+        }
+        dropping = {name: why for name, (set_, why) in megatron_dropping.items() if set_}
+        if dropping:
+            named = " and ".join(dropping)
             raise HybridEPConfigError(
-                f"{capacity} cannot be combined with --moe-pad-expert-input-to-capacity (which drops "
-                "tokens per expert by design); drop one of them."
+                f"{capacity} cannot be combined with {named}: drop {named}: capacity mode sizes the dispatch "
+                f"itself and drops nothing; {'; '.join(dropping.values())}. (Or drop {capacity} to train with "
+                "Megatron's token-dropping MoE.)"
             )
         if getattr(config, "fp8", None) or getattr(config, "fp4", None):
             # Expert compute in capacity mode reads counts on the device; fp8/fp4 padding does not.

@@ -115,14 +115,24 @@ def parse(arguments, monkeypatch, *extra, provider=None):
     return arguments.parse_args(extra_args_provider=provider)
 
 
-def parse_error(arguments, monkeypatch, capsys, *extra, provider=None):
-    """stderr of a parse that must stop with argparse's usage error (exit status 2)."""
+def parse_error(arguments, monkeypatch, capsys, *extra, provider=None, usage=False):
+    """stderr of a parse that must stop with argparse's error (exit status 2).
+
+    megatron-ext's refusals (and argparse's errors for its flags) are the one line
+    `prog: error: <message>`, without the usage block (`usage=False`); Megatron's own errors keep
+    argparse's usage (`usage=True`).
+    """
     capsys.readouterr()
     with pytest.raises(SystemExit) as exc:
         parse(arguments, monkeypatch, *extra, provider=provider)
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert "prog: error:" in err
+    if usage:
+        assert err.startswith("usage: prog"), err[:200]
+    else:
+        assert "usage:" not in err, err[:600]
+        assert err.startswith("prog: error: ") and err.count("\n") == 1, err[:600]
     return err
 
 
@@ -278,8 +288,25 @@ def test_patched_help_lists_flags_and_docstrings(patched, monkeypatch, capsys):
             ["--moe-hybridep-capacity-factor and --moe-expert-rank-capacity-factor", "use one"],
         ),
         (
+            # Megatron's token-dropping MoE: its router drops tokens per expert beyond the capacity.
+            ["--moe-hybridep-capacity-factor", "1.5", "--moe-expert-capacity-factor", "1.0"],
+            [
+                "--moe-hybridep-capacity-factor cannot be combined with --moe-expert-capacity-factor",
+                "drop --moe-expert-capacity-factor: capacity mode sizes the dispatch itself and drops nothing; "
+                "Megatron's factor drops tokens per expert in the router",
+            ],
+        ),
+        (
             ["--moe-hybridep-capacity-factor", "1.5", "--moe-expert-capacity-factor", "1.0"]
             + ["--moe-pad-expert-input-to-capacity"],
+            [
+                "--moe-hybridep-capacity-factor cannot be combined with --moe-expert-capacity-factor and "
+                "--moe-pad-expert-input-to-capacity",
+                "drops nothing",
+            ],
+        ),
+        (
+            ["--moe-hybridep-capacity-factor", "1.5", "--moe-pad-expert-input-to-capacity"],
             ["--moe-hybridep-capacity-factor cannot be combined with --moe-pad-expert-input-to-capacity"],
         ),
         (
@@ -317,6 +344,8 @@ def test_patched_help_lists_flags_and_docstrings(patched, monkeypatch, capsys):
         "factor-alltoall",
         "equal-deepep-backend",
         "factor-and-expert-rank-factor",
+        "factor-and-expert-capacity-factor",
+        "factor-and-drop-and-pad",
         "factor-and-pad-to-capacity",
         "equal-and-pad-uneven",
         "verify-without-equal",
@@ -395,11 +424,48 @@ def test_patched_parse_args_refuses_a_non_finite_factor(patched, monkeypatch, ca
     assert "--moe-hybridep-capacity-factor must be a finite number >= 1.0" in err
 
 
+def test_patched_parse_args_accepts_megatrons_negative_expert_capacity_factor(patched, monkeypatch):
+    # Megatron reads a negative --moe-expert-capacity-factor as unset: nothing is dropped.
+    args = parse(patched, monkeypatch, "--moe-hybridep-capacity-factor", "1.5", "--moe-expert-capacity-factor", "-1")
+    assert args.moe_expert_capacity_factor == -1.0 and args.moe_hybridep_capacity_factor == 1.5
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["--moe-hybridep-capacity-factor", "0.8"],  # megatron-ext's check
+        ["--moe-hybridep-implementation", "foo"],  # argparse's: not one of the choices
+        ["--moe-hybridep-capacity-factor", "lots"],  # argparse's: not a number
+    ],
+    ids=["refused", "bad-choice", "not-a-number"],
+)
+def test_patched_parse_args_refusal_is_said_by_the_first_rank_only(patched, monkeypatch, capsys, extra):
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()  # the rank comes from the launcher's RANK here
+    monkeypatch.setenv("RANK", "1")
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exc:
+        parse(patched, monkeypatch, *extra)
+    assert exc.value.code == 2  # every rank stops
+    assert capsys.readouterr().err == ""
+
+    monkeypatch.setenv("RANK", "0")
+    err = parse_error(patched, monkeypatch, capsys, *extra)
+    assert extra[0] in err
+
+
+def test_megatrons_own_errors_keep_their_usage(patched, monkeypatch, capsys):
+    # Only megatron-ext's flags lose the usage block; a bad value of Megatron's own flag is left to it.
+    err = parse_error(patched, monkeypatch, capsys, "--moe-token-dispatcher-type", "nope", usage=True)
+    assert "argument --moe-token-dispatcher-type: invalid choice: 'nope'" in err
+
+
 # --- without the patch -----------------------------------------------------------------------
 
 
 def test_unpatched_parse_args_rejects_the_flags(unpatched, monkeypatch, capsys):
-    err = parse_error(unpatched, monkeypatch, capsys, "--moe-hybridep-capacity-factor", "1.5")
+    err = parse_error(unpatched, monkeypatch, capsys, "--moe-hybridep-capacity-factor", "1.5", usage=True)
 
     assert "unrecognized arguments: --moe-hybridep-capacity-factor 1.5" in err
 
@@ -487,6 +553,20 @@ def test_install_validation_is_idempotent():
             dict(HYBRIDEP, moe_hybridep_capacity_factor=1.5, moe_hybridep_overflow_policy="skip"),
             "--moe-hybridep-overflow-policy 'skip' is not one of rerun, fail",
         ),
+        (
+            dict(HYBRIDEP, moe_hybridep_capacity_factor=1.5, moe_expert_capacity_factor=1.0),
+            "--moe-hybridep-capacity-factor cannot be combined with --moe-expert-capacity-factor: drop "
+            "--moe-expert-capacity-factor: capacity mode sizes the dispatch itself and drops nothing",
+        ),
+        (
+            dict(
+                HYBRIDEP,
+                moe_hybridep_capacity_factor=1.5,
+                moe_expert_capacity_factor=1.0,
+                moe_pad_expert_input_to_capacity=True,
+            ),
+            "cannot be combined with --moe-expert-capacity-factor and --moe-pad-expert-input-to-capacity",
+        ),
     ],
     ids=[
         "factor-below-1",
@@ -496,6 +576,8 @@ def test_install_validation_is_idempotent():
         "foo",
         "deep_ep-hidden-16",
         "unknown-policy",
+        "factor-and-expert-capacity-factor",
+        "factor-and-drop-and-pad",
     ],
 )
 def test_config_refuses_invalid_combinations(bad, message):

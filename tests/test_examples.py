@@ -9,7 +9,11 @@ interpreter (and stand-in `srun`/`scontrol`) that records its arguments instead 
 
 from __future__ import annotations
 
+import argparse
+import importlib.util
 import os
+import re
+import shutil
 import stat
 import subprocess
 import sys
@@ -23,16 +27,27 @@ EXAMPLES = REPO / "examples"
 PRETRAIN = EXAMPLES / "pretrain_moe.py"
 DRY_RUN_FLAG = "--megatron-ext-dry-run"
 # Variables the scripts read; the test sets each one it wants, and inherits none.
-SCRIPT_VARS = ("MODE", "GPUS", "DRY_RUN", "PYTHON", "WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_PORT")
+SCRIPT_VARS = (
+    *("MODE", "PRECISION", "GPUS", "DRY_RUN", "PYTHON", "WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_PORT"),
+    *("TOKENS", "HIDDEN", "EXPERTS", "TOPK"),
+)
 SLURM = {"SLURM_NNODES": "3", "SLURM_JOB_NODELIST": "node[01-03]", "SLURM_JOB_ID": "42"}
 
-# name: (script, environment)
+# name: (script, environment, extra arguments); each runs with DRY_RUN=1 and no GPU tool on its PATH.
 DRY_RUNS = {
-    "smoke": ("smoke_1gpu.sh", {}),
-    "smoke-blocking": ("smoke_1gpu.sh", {"MODE": "blocking"}),
-    "ep8": ("ep8_single_node.sh", {}),
-    "slurm": ("slurm_multinode.sbatch", {**SLURM, "SLURM_SUBMIT_DIR": str(REPO)}),
+    "smoke": ("smoke_1gpu.sh", {}, []),
+    "smoke-blocking": ("smoke_1gpu.sh", {"MODE": "blocking"}, []),
+    "smoke-fp16": ("smoke_1gpu.sh", {"PRECISION": "fp16"}, []),
+    "ep8": ("ep8_single_node.sh", {}, []),
+    "slurm": ("slurm_multinode.sbatch", {**SLURM, "SLURM_SUBMIT_DIR": str(REPO)}, []),
+    "roundtrip": ("roundtrip_torchrun.sh", {}, []),
+    "smoke-fp16-appended": ("smoke_1gpu.sh", {}, ["--fp16"]),
 }
+# The dry runs that must succeed: one for every example script, and then some.
+SCRIPTS = sorted(p.name for p in EXAMPLES.iterdir() if p.suffix in (".sh", ".sbatch"))
+PASSING_DRY_RUNS = [name for name in DRY_RUNS if name != "smoke-fp16-appended"]
+# The tools the scripts use outside bash, and no other (no nvidia-smi, no SLURM command).
+SCRIPT_TOOLS = ("dirname",)
 FACTOR, EQUAL, REUSE = (
     "--moe-hybridep-capacity-factor",
     "--moe-hybridep-equal-token-counts",
@@ -89,13 +104,26 @@ def smoke_args(stubs, tmp_path_factory) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def dry_runs(tmp_path_factory, smoke_args) -> dict[str, subprocess.CompletedProcess]:
+def no_gpu_tools(tmp_path_factory) -> str:
+    """A PATH with only the tools the scripts need (no nvidia-smi, srun or scontrol): any machine."""
+    folder = tmp_path_factory.mktemp("no_gpu_tools")
+    for tool in SCRIPT_TOOLS:
+        (folder / tool).symlink_to(shutil.which(tool))
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def dry_runs(tmp_path_factory, smoke_args, no_gpu_tools) -> dict[str, subprocess.CompletedProcess]:
     """Every dry run, side by side: the scripts', pretrain_moe.py's with the smoke arguments and a
     capacity factor below 1 ("invalid"), and pretrain_moe.py --help."""
     folder = tmp_path_factory.mktemp("dry_runs")
+    bash = shutil.which("bash")
     commands = {
-        name: (["bash", str(EXAMPLES / script)], script_env(DRY_RUN="1", PYTHON=sys.executable, **env))
-        for name, (script, env) in DRY_RUNS.items()
+        name: (
+            [bash, str(EXAMPLES / script), *extra],
+            script_env(DRY_RUN="1", PYTHON=sys.executable, **env) | {"PATH": no_gpu_tools},
+        )
+        for name, (script, env, extra) in DRY_RUNS.items()
     }
     invalid = [sys.executable, str(PRETRAIN), *smoke_args, FACTOR, "0.5", DRY_RUN_FLAG]
     commands["invalid"] = (invalid, script_env())
@@ -116,6 +144,15 @@ def dry_runs(tmp_path_factory, smoke_args) -> dict[str, subprocess.CompletedProc
         )
         for name, process in running.items()
     }
+
+
+@pytest.fixture(scope="module")
+def example():
+    """examples/pretrain_moe.py as a module (it imports Megatron)."""
+    spec = importlib.util.spec_from_file_location("pretrain_moe_example", PRETRAIN)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _is_removed(argv: list[str], index: int, flags: dict[str, int]) -> bool:
@@ -186,11 +223,113 @@ def test_slurm_dry_run_outside_slurm_assumes_two_nodes(stubs, tmp_path):
     assert argv[argv.index("--global-batch-size") + 1] == "64"
 
 
+TORCH_LOG_LINE = re.compile(r"^[IWEF]\d{4} \d\d:\d\d:\d\d")  # torch's C++-style log: "W1202 07:38:36..."
+
+
+def test_every_example_script_has_a_dry_run():
+    assert sorted({DRY_RUNS[name][0] for name in PASSING_DRY_RUNS}) == SCRIPTS
+
+
+@pytest.mark.parametrize("name", PASSING_DRY_RUNS)
+def test_dry_run_needs_no_gpu_tools_and_prints_no_warnings(dry_runs, name):
+    result = dry_runs[name]
+
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "megatron-ext dry run:" in result.stdout
+    # Megatron's and torch's import-time warnings (no TE, no apex, no CUDA runtime) are left out.
+    noise = [line for line in result.stderr.splitlines() if "warn" in line.lower() or TORCH_LOG_LINE.match(line)]
+    assert not noise, "\n".join(noise[:20])
+    # What stays: Megatron's remarks on the flags themselves, one line each.
+    notes = [line for line in result.stderr.splitlines() if not line.startswith("pretrain_moe.py: Megatron: ")]
+    assert not notes, result.stderr[-3000:]
+
+
+def test_dry_run_keeps_megatrons_remarks_on_the_flags(dry_runs):
+    # 64 experts without fp32 routing (ep8, slurm); dynamic loss scaling (fp16).
+    fp32_routing = "pretrain_moe.py: Megatron: Using a large number of experts (e.g. >=32) without fp32 routing."
+    assert fp32_routing in dry_runs["ep8"].stderr and fp32_routing in dry_runs["slurm"].stderr
+    loss_scaling = "pretrain_moe.py: Megatron: Setting args.check_for_nan_in_loss_and_grad to False since dynamic"
+    assert loss_scaling in dry_runs["smoke-fp16"].stderr
+    assert dry_runs["smoke"].stderr == "" and dry_runs["roundtrip"].stderr == ""
+
+
+def test_precision_fp16_dry_run_differs_only_in_the_dtype(dry_runs):
+    bf16 = dry_run_report(dry_runs, "smoke")
+    fp16 = dry_run_report(dry_runs, "smoke-fp16")
+
+    assert fp16["params dtype"] == "torch.float16"
+    assert {name for name in bf16.keys() | fp16.keys() if bf16.get(name) != fp16.get(name)} == {"params dtype"}
+
+
+def test_dry_run_refuses_fp16_appended_to_the_scripts_bf16(dry_runs):
+    result = dry_runs["smoke-fp16-appended"]
+
+    assert result.returncode == 2, result.stderr[-3000:]
+    # One line, before validate_args' bare AssertionError, naming both flags and the fix.
+    assert result.stderr.startswith("pretrain_moe.py: error: --bf16 and --fp16 are both set"), result.stderr[-3000:]
+    assert "give PRECISION=fp16 (or edit the script) instead of appending --fp16" in result.stderr
+    assert result.stderr.count("\n") == 1 and "usage:" not in result.stderr
+    assert "megatron-ext dry run:" not in result.stdout
+
+
+def test_two_precisions_are_refused_naming_the_one_given_last(example, monkeypatch, capsys):
+    parser = argparse.ArgumentParser(prog="prog")
+    parser.add_argument("--fp16", action="store_true")
+    parser.add_argument("--bf16", action="store_true")
+    example.refuse_two_precisions(parser)
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("SLURM_PROCID", raising=False)
+
+    assert parser.parse_args(["--fp16"]).fp16
+    with pytest.raises(SystemExit) as exc:
+        parser.parse_args(["--fp16", "--bf16"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("prog: error: --fp16 and --bf16 are both set: they are two switches, so the later --bf16")
+    assert "give PRECISION=bf16 (or edit the script) instead of appending --bf16" in err
+
+
+def test_scripts_refuse_an_unknown_precision(stubs, tmp_path):
+    env = script_env(PYTHON=str(stubs / "python"), RECORD=str(tmp_path / "record"), PRECISION="fp8")
+    result = subprocess.run(["bash", str(EXAMPLES / "smoke_1gpu.sh")], env=env, capture_output=True, text=True)
+    assert result.returncode == 2 and "PRECISION must be bf16 or fp16, not 'fp8'" in result.stderr
+
+
+def test_roundtrip_dry_run_without_nvidia_smi(dry_runs):
+    got = dry_run_report(dry_runs, "roundtrip")
+
+    assert got["ranks"] == "8 (nccl, one per GPU)"  # no nvidia-smi to count GPUs: a node of 8
+    assert (
+        "-m torch.distributed.run --standalone --nproc-per-node 8 -m megatron_ext.tooling.roundtrip" in got["command"]
+    )
+    assert (got["tokens"], got["hidden"], got["experts"], got["topk"]) == ("4096", "4096", "64", "8")
+
+
+def test_roundtrip_command(stubs, tmp_path):
+    _, argv = recorded_command(stubs, tmp_path, "roundtrip_torchrun.sh", GPUS="2", TOPK="2")
+
+    assert argv == [
+        *("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"),
+        *("-m", "megatron_ext.tooling.roundtrip", "--backend", "nccl"),
+        *("--tokens", "4096", "--hidden", "4096", "--experts", "64", "--topk", "2"),
+    ]
+
+
+def test_roundtrip_without_nvidia_smi_asks_for_gpus(no_gpu_tools):
+    env = script_env(PYTHON="/nonexistent/python") | {"PATH": no_gpu_tools}
+    result = subprocess.run(
+        [shutil.which("bash"), str(EXAMPLES / "roundtrip_torchrun.sh")], env=env, capture_output=True, text=True
+    )
+    assert result.returncode == 2 and "nvidia-smi not found: set GPUS" in result.stderr, result.stderr
+
+
 def test_dry_run_refuses_a_capacity_factor_below_one(dry_runs):
     result = dry_runs["invalid"]
 
     assert result.returncode == 2, result.stderr[-3000:]
-    assert "error: --moe-hybridep-capacity-factor 0.5 would drop tokens" in result.stderr
+    # The one line, not Megatron's usage block of some 745 lines before it.
+    assert result.stderr.startswith("pretrain_moe.py: error: --moe-hybridep-capacity-factor 0.5 would drop tokens")
+    assert "usage:" not in result.stderr
     assert "megatron-ext dry run:" not in result.stdout
 
 
@@ -314,13 +453,9 @@ def test_compare_modes_skewed_refuses_the_calibration_iteration(tmp_path):
     assert result.returncode == 2 and "--skewed 1" in result.stderr, result.stderr
 
 
-def test_the_routing_shift_raises_expert_0_from_its_iteration_on(monkeypatch):
-    import importlib.util
+def test_the_routing_shift_raises_expert_0_from_its_iteration_on(example, monkeypatch):
     from types import SimpleNamespace
 
-    spec = importlib.util.spec_from_file_location("pretrain_moe_example", PRETRAIN)
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
     args = SimpleNamespace(curr_iteration=0)
     monkeypatch.setattr(example, "get_args", lambda: args)
     seen = []
