@@ -22,7 +22,8 @@ for it (the fused path always does so).
 
 Parameters live as one stacked tensor per linear ([L, out, in]), so the GEMMs read them without a
 per-step copy; their checkpoints read like `TEGroupedMLP`'s and `SequentialMLP`'s
-(`megatron_ext.experts_checkpoint`).
+(`megatron_ext.experts_checkpoint`, which reads `GroupedMLP` and `_ExpertLinear` as its
+`StackedExperts` and `StackedLinear` protocols, so it imports nothing from here).
 """
 
 from __future__ import annotations

@@ -10,18 +10,40 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Iterator
+from typing import Any, Optional, Protocol
 
 import torch
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from megatron.core.transformer.utils import make_sharded_object_for_checkpoint
 from megatron.core.utils import get_pg_rank, get_pg_size
 
-if TYPE_CHECKING:
-    from megatron_ext.experts import GroupedMLP, _ExpertLinear
+
+# What these functions read of the modules they serve, so that this module needs nothing of
+# `megatron_ext.experts` (which imports it to register the hooks): `_ExpertLinear` and `GroupedMLP`
+# there have these attributes.
+class StackedLinear(Protocol):
+    """One linear for all L local experts: `weight` [L, out, in] and `bias` [L, out] (or None)."""
+
+    num_experts: int
+
+    def named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]: ...
+
+    def get_extra_state(self) -> torch.Tensor: ...
 
 
-def split_per_expert(module: _ExpertLinear, state_dict: dict, prefix: str, local_metadata) -> None:
+class StackedExperts(Protocol):
+    """A layer's L local experts as two stacked linears, with its expert process groups."""
+
+    num_local_experts: int
+    linear_fc1: StackedLinear
+    linear_fc2: StackedLinear
+    ep_group: Any
+    tp_group: Any
+    expt_dp_group: Optional[Any]
+
+
+def split_per_expert(module: StackedLinear, state_dict: dict, prefix: str, local_metadata) -> None:
     # Pop this module's own entries (the last ones written) and re-add them in TE's order.
     weight = state_dict.pop(prefix + "weight")
     bias = state_dict.pop(prefix + "bias", None)
@@ -33,7 +55,7 @@ def split_per_expert(module: _ExpertLinear, state_dict: dict, prefix: str, local
     state_dict[prefix + "_extra_state"] = extra
 
 
-def stack_per_expert(module: _ExpertLinear, state_dict: dict, prefix: str, *_) -> None:
+def stack_per_expert(module: StackedLinear, state_dict: dict, prefix: str, *_) -> None:
     for name in ("weight", "bias"):
         keys = [f"{prefix}{name}{i}" for i in range(module.num_experts)]
         if all(k in state_dict for k in keys):  # else leave them: load_state_dict reports what is amiss
@@ -42,7 +64,7 @@ def stack_per_expert(module: _ExpertLinear, state_dict: dict, prefix: str, *_) -
         state_dict.pop(f"{prefix}_extra_state{i}", None)
 
 
-def from_sequential_mlp(module: GroupedMLP, state_dict: dict, prefix: str, *_) -> None:
+def from_sequential_mlp(module: StackedExperts, state_dict: dict, prefix: str, *_) -> None:
     """Rename SequentialMLP's per-expert keys (Megatron's local spec, `local_experts.{i}.linear_fcN.weight`,
     what a run without capacity mode saves in `--ckpt-format torch`) to ours (`linear_fcN.weight{i}`),
     so such a checkpoint loads instead of being skipped by a non-strict load. (The distributed
@@ -60,7 +82,7 @@ def from_sequential_mlp(module: GroupedMLP, state_dict: dict, prefix: str, *_) -
             state_dict.setdefault(f"{prefix}{linear}._extra_state", None)
 
 
-def sharded_state_dict(module: GroupedMLP, prefix: str, sharded_offsets: tuple, metadata: dict | None):
+def sharded_state_dict(module: StackedExperts, prefix: str, sharded_offsets: tuple, metadata: dict | None):
     """Distributed-checkpoint entries in TEGroupedMLP's global layout.
 
     Each stacked parameter is one ShardedTensor: rows [r*L, (r+1)*L) of the global

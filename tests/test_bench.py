@@ -9,9 +9,11 @@ from the map's shape.
 from __future__ import annotations
 
 import argparse
+import ast
 import importlib.util
 import json
 import os
+import re
 import socket
 import statistics
 import subprocess
@@ -95,12 +97,26 @@ def test_every_mode_runs_and_equals_blocking(full_run):
         assert _mode(report, name)["detail"] == "CUDA graphs need a GPU", name
         assert _mode(report, name)["graph"] is True and _mode(report, name)["gpu_busy_ms"] is None
     assert all(m["gpu_busy_ms"] is None and m["step_vs_gpu"] is None for m in report["modes"])  # CPU: no GPU time
-    header = next(line for line in stdout.splitlines() if line.startswith("mode "))
-    assert "GPU ms" not in header and "step/GPU" not in header  # CPU: no GPU columns
-    assert "sent/dispatch" not in header and "map alloc/step" in header  # sent/dispatch: --wide only
+    lines = stdout.splitlines()
+    header = next(line for line in lines if line.startswith("mode "))
+    assert "GPU ms" not in header and "x GPU" not in header and "ran ahead" not in header  # CPU: no GPU columns
+    assert "sent/disp" not in header and "map alloc" in header and "rounds ms" in header  # sent/disp: --wide only
+    # CPU ranks: said right above the table, that its times are no performance figures.
+    assert (
+        lines[lines.index(header) - 1] == "CPU ranks (gloo): times show the code runs, not its speed; measure on GPUs"
+    )
     for name in names:
         assert name in stdout
+    assert "skipped: capacity+equal+graph, deep_ep+capacity+equal+reuse+graph (CUDA graphs need a GPU)" in stdout
+    # The legend only with --explain; a one-line hint instead.
+    assert "--explain: what each column means" in stdout and "modes:" not in lines and "columns (" not in stdout
     assert "OK: outputs and gradients equal blocking's" in stdout
+
+
+def test_the_printed_report_fits_120_columns(full_run):
+    stdout, _, _ = full_run
+    widest = max(stdout.splitlines(), key=len)
+    assert len(widest) <= 120, widest
 
 
 def test_host_syncs_and_all_reduces_per_step(full_run):
@@ -302,7 +318,7 @@ def test_runahead_counts_the_dispatches_the_host_passed_while_the_gpu_slept(monk
     row = dict(result, rounds=1, rounds_ran_ahead=0)
     assert report._ran_ahead(row) == "2/3 disp."
     assert report._ran_ahead(dict(row, ran_ahead=True, rounds_ran_ahead=1)) == "step"
-    assert report._ran_ahead(dict(row, rounds=3, rounds_ran_ahead=2)) == "step in 2/3 rounds"
+    assert report._ran_ahead(dict(row, rounds=3, rounds_ran_ahead=2)) == "2/3 rounds"
     assert report._ran_ahead(None) == "-"
 
 
@@ -429,7 +445,8 @@ def test_graphed_step_refuses_a_cpu_input():
 
 
 def _cpu_runner(progress=lambda: None):
-    from megatron_ext.bench.run import Sizes, _Runner
+    from megatron_ext.bench.run import _Runner
+    from megatron_ext.bench.sizes import Sizes
 
     sizes = Sizes(layers=1, tokens=3, hidden=4, ffn_hidden=4, experts=2, topk=1, dtype="fp32", skew=0.0,
                   capacity_factor=1.5, steps=2, check_steps=1, warmup=0, seed=0)  # fmt: skip
@@ -541,24 +558,30 @@ def test_the_table_shows_gpu_time_and_graph_rows_without_nonsense():
     assert rows[0]["gpu_busy_ms"] == 2.0 and rows[0]["step_vs_gpu"] == 1.5  # the slowest rank's
     assert rows[1]["step_vs_gpu"] == 1.25 and rows[1]["runahead"]["dispatches_ahead"] is None
     assert rows[2]["step_vs_gpu"] is None and rows[3]["step_vs_gpu"] is None  # no GPU time, no step: no ratio
-    lines = report.table(rows, cuda=True).splitlines()
-    header = lines[0].split("  ")
-    assert [h.strip() for h in header if h.strip()][:5] == ["mode", "vs blocking", "step ms", "GPU ms", "step/GPU"]
-    assert "held after fwd" not in lines[0] and "sent/dispatch" not in lines[0]
-    cells = {line.split()[0]: line.split() for line in lines[2:]}
-    assert cells["blocking"][2:5] == ["3.00", "2.00", "1.50"]
-    # graph: step, GPU ms, ratio, x stock '-', dispatch host ms '-', syncs 0, all-reduces '-', ran ahead 'no'
-    assert cells[GRAPH_MODES[0]][1:10] == ["bitwise", "2.00", "1.60", "1.25", "-", "-", "0", "-", "no"]
-    assert cells["capacity+equal"][3:5] == ["-", "-"]
-    assert cells[GRAPH_MODES[1]][1] == "failed"
+    table = _parse_table(report.table(rows, cuda=True))
+    assert list(table["blocking"])[:6] == ["mode", "vs blocking", "step ms", "x GPU", "x stock", "syncs"]
+    assert not {"GPU ms", "fwd held", "sent/disp", "all-reduces"} & set(table["blocking"])  # --wide only
+    assert [table["blocking"][c] for c in ("step ms", "x GPU", "ran ahead")] == ["3.00", "1.50", "step"]
+    # graph: the replay's syncs (0), '-' for what is counted at Python calls, ran ahead 'no' (dispatches unseen)
+    graphed = table[GRAPH_MODES[0]]
+    assert [graphed[c] for c in ("vs blocking", "step ms", "x GPU", "x stock", "syncs", "ran ahead")] == [
+        "bitwise", "2.00", "1.25", "-", "0", "no",
+    ]  # fmt: skip
+    assert table["capacity+equal"]["x GPU"] == "-"
+    assert table[GRAPH_MODES[1]]["vs blocking"] == "failed"
     assert report.failures(rows) == [f"{GRAPH_MODES[1]}: failed: CUDA graph capture failed"]
-    wide = report.table(rows, cuda=True, wide=True).splitlines()
-    assert "held after fwd" in wide[0] and "sent/dispatch" in wide[0] and "2.0 KiB" in wide[2]
+    wide = _parse_table(report.table(rows, cuda=True, wide=True))
+    assert [wide["blocking"][c] for c in ("GPU ms", "fwd held", "sent/disp", "all-reduces")] == [
+        "2.00", "2.0 KiB", "1.0 KiB", "0",
+    ]  # fmt: skip
+    assert [wide[GRAPH_MODES[0]][c] for c in ("GPU ms", "disp host ms", "all-reduces")] == ["1.60", "-", "-"]
+    more = "GPU ms, disp host ms, all-reduces, fwd held, cap/used, map alloc, sent/disp"
+    assert report.hint(rows, cuda=True) == f"--wide adds {more} (the JSON has every number)\n{report.EXPLAIN_HINT}"
+    assert report.hint(rows, cuda=True, wide=True) == "--explain: what each column means"
     sizes = _cpu_runner().sizes
     legend = report.legend(rows, cuda=True, sizes=sizes)
-    assert "GPU ms: the time the GPU was busy" in legend and "+graph: every step after the capture" in legend
-    assert "sent/dispatch:" not in legend and "sent/dispatch:" in report.legend(rows, True, sizes, wide=True)
-    assert "--wide adds held after fwd and sent/dispatch" in legend
+    assert "  GPU ms (--wide): the time the GPU was busy" in legend and "+graph: every step after the capture" in legend
+    assert "  x GPU: step ms over GPU ms" in legend
     assert "GPU ms" not in report.legend(rows, cuda=False, sizes=sizes)
     # Rounds: the lowest GPU time is kept (the round least disturbed).
     first = ModeResult("blocking", gpu_busy_ms=2.0)
@@ -567,20 +590,272 @@ def test_the_table_shows_gpu_time_and_graph_rows_without_nonsense():
     assert first.gpu_busy_ms == 1.8
 
 
-def test_the_default_gpu_table_is_no_wider_than_before_the_gpu_columns():
+def _parse_table(text: str) -> dict[str, dict[str, str]]:
+    """The table's rows by mode, each {header: cell}, cut where the dashes under the headers are."""
+    lines = text.splitlines()
+    spans = [(m.start(), m.end()) for m in re.finditer(r"-+", lines[1])]
+    rows = [[line[a:b].strip() for a, b in spans] for line in [lines[0], *lines[2:]]]
+    return {row[0]: dict(zip(rows[0], row)) for row in rows[1:]}
+
+
+LONGEST = "deep_ep+capacity+equal+reuse+graph"
+
+
+def _synthetic_rows(cuda: bool, rounds: int = 1) -> list[dict]:
+    """Every mode, as a slow large stack on GPUs (or CPU ranks) might leave them: wide numbers in every
+    cell, a 'close' error, one mode that differs, one that failed, TE's skipped on CPU."""
     from megatron_ext.bench import report
     from megatron_ext.bench.modes import all_modes
 
-    row = dict(equality="bitwise", step_ms=[123.45], round_step_ms=[123.45], host_syncs_per_step=16,
-               all_reduces_per_step=16, bytes_sent_per_dispatch=1.5 * 2**30, forward_memory_bytes=20 * 2**30,
-               peak_step_memory_bytes=30 * 2**30, routing_map_bytes_allocated_per_step=2**20, dispatch_host_ms=[0.5],
-               ran_ahead_rounds=[False], dispatches_ahead_rounds=[3], gpu_busy_ms=100.25,
-               runahead=dict(host_idle_ms=1.0, host_behind_sleep_ms=300.0, gpu_sleep_ms=300.0, ran_ahead=False,
-                             dispatches_ahead=3, dispatches=8))  # fmt: skip
-    rows = [report.aggregate(m, [_rank_result(m.name, **row)]) for m in all_modes(1.5)]
+    step = [1234.56 + i for i in range(rounds)]
+    probe = dict(host_idle_ms=1.0, host_behind_sleep_ms=300.0, gpu_sleep_ms=300.0, ran_ahead=False,
+                 dispatches_ahead=3, dispatches=8)  # fmt: skip
+    base = dict(equality="bitwise", step_ms=step, round_step_ms=step, host_syncs_per_step=16, all_reduces_per_step=16,
+                bytes_sent_per_dispatch=1.5 * 2**30, routing_map_bytes_allocated_per_step=2**20,
+                dispatch_host_ms=[0.5])  # fmt: skip
+    if cuda:
+        base.update(gpu_busy_ms=1000.25, runahead=probe, ran_ahead_rounds=[False] * rounds,
+                    dispatches_ahead_rounds=[3] * rounds, peak_step_memory_bytes=130 * 2**30,
+                    forward_memory_bytes=20 * 2**30)  # fmt: skip
+    rows = []
+    for mode in all_modes(1.5):
+        fields = dict(base)
+        if mode.equality == "close":
+            fields.update(equality="close", max_rel_error=0.0123)
+        if "capacity" in mode.name:
+            fields.update(
+                capacities=[98304, 99072], rows_used=[70001], overflows=12, reruns=3 if mode.overflow_rerun else None
+            )
+            if cuda and rounds > 1:
+                fields.update(ran_ahead_rounds=[True] * (rounds - 1) + [False])  # "N/M rounds"
+        if mode.name == "capacity+equal+check":
+            fields.update(status="differs", equality="differs", max_rel_error=0.5, detail="outputs differ")
+        if mode.name == LONGEST:
+            fields = dict(status="failed", detail="CUDA graph capture failed")
+        if mode.needs_te and not cuda:
+            fields = dict(status="skipped", detail="Transformer Engine's experts need a CUDA GPU")
+        rows.append(report.aggregate(mode, [_rank_result(mode.name, **fields)] * 2))
     report.add_ratios(rows)
-    default, wide = report.table(rows, cuda=True), report.table(rows, cuda=True, wide=True)
-    # Before: the wide table without the two GPU columns ("GPU ms", "step/GPU": 6 and 8 wide, 2 spaces each).
-    before = len(wide.splitlines()[0]) - (6 + 2) - (8 + 2)
-    assert len(default.splitlines()[0]) <= before
-    assert all(len(line) == len(default.splitlines()[0]) for line in default.splitlines()[1:] if line.strip())
+    return rows
+
+
+@pytest.mark.parametrize("rounds", [1, 3])
+@pytest.mark.parametrize("cuda", [True, False], ids=["gpu", "cpu"])
+def test_the_default_table_fits_120_columns_and_wide_has_every_column(cuda, rounds):
+    from megatron_ext.bench import report
+
+    rows = _synthetic_rows(cuda, rounds)
+    default, wide = report.table(rows, cuda), report.table(rows, cuda, wide=True)
+    widest = max(default.splitlines(), key=len)
+    assert len(widest) <= 120, widest
+    shown, everything = _parse_table(default), _parse_table(wide)
+    assert LONGEST in shown and shown["capacity+equal+check"]["vs blocking"] == "differs 5e-01"  # names whole
+    assert shown["megatron"]["vs blocking"] == "close 1e-02"
+    headers, wide_headers = list(shown["blocking"]), list(everything["blocking"])
+    assert headers[:3] == ["mode", "vs blocking", "step ms"] and "syncs" in headers
+    assert {"x stock", "ran ahead", "x GPU"} <= set(headers) if cuda else {"all-reduces", "cap/used"} <= set(headers)
+    assert set(headers) < set(wide_headers)  # the rest with --wide, where every column of the device is
+    assert wide_headers == [c.header for c in report._present(rows, cuda)]
+    assert ("rounds ms" in wide_headers) == (rounds > 1) and ("GPU ms" in wide_headers) == cuda
+    assert len(max(wide.splitlines(), key=len)) > 120  # what the default leaves out is worth a flag
+    more, explain = report.hint(rows, cuda).splitlines()
+    assert explain == "--explain: what each column means"
+    added = [h for h in wide_headers if h not in headers]
+    named = f"--wide adds {', '.join(added)} (the JSON has every number)"
+    assert more == (named if len(named) <= 120 else f"--wide adds {len(added)} columns (the JSON has every number)")
+    legend = report.legend(rows, cuda, _cpu_runner().sizes)
+    assert all(len(line) <= 120 for line in legend.splitlines())
+    assert all(f"  {h}" in legend for h in wide_headers) and "modes:" in legend
+
+
+def test_a_narrow_table_drops_the_least_kept_columns_first():
+    from megatron_ext.bench import report
+
+    rows = _synthetic_rows(cuda=True)
+    kept = {c.header: c.keep for c in report.COLUMNS}
+    default = [c.header for c in report.columns(rows, cuda=True)]
+    narrow = [c.header for c in report.columns(rows, cuda=True, width=80)]
+    assert narrow[:3] == ["mode", "vs blocking", "step ms"] and set(narrow) < set(default)
+    assert min(kept[h] for h in narrow) > max(kept[h] for h in default if h not in narrow)
+    assert len(max(report.table(rows, cuda=True, width=80).splitlines(), key=len)) <= 80
+
+
+def test_nothing_compared_says_what_was_skipped_and_why():
+    from megatron_ext.bench import report
+
+    rows = _synthetic_rows(cuda=False)
+    by_name = {r["name"]: r for r in rows}
+    deep_ep_error = "deep_ep does not import: ModuleNotFoundError: No module named 'deep_ep'"
+    alone = [by_name["blocking"], dict(by_name["deep_ep"], status="skipped", detail=deep_ep_error)]
+    assert report.nothing_compared(alone) == (
+        f"no mode besides the reference ran: deep_ep skipped ({deep_ep_error}); nothing was compared"
+    )
+    graph = dict(by_name["capacity+equal+graph"], status="skipped", detail="CUDA graphs need a GPU")
+    assert report.nothing_compared([*alone, graph]) == (
+        f"no mode besides the reference ran: deep_ep skipped ({deep_ep_error}); "
+        "capacity+equal+graph skipped (CUDA graphs need a GPU); nothing was compared"
+    )
+    assert "no other mode was selected" in report.nothing_compared([by_name["blocking"]])
+    assert report.nothing_compared([*alone, by_name["capacity+equal"]]) is None  # one ran: the rest may skip
+    assert report.nothing_compared([*alone, by_name["capacity+equal+check"]]) is None  # it ran, and differs
+    assert report.nothing_compared(rows) is None
+
+
+def test_a_run_that_compares_nothing_exits_1_saying_why():
+    # CPU ranks skip every +graph mode whatever is installed; deep_ep is skipped where it does not import.
+    modes = "capacity+equal+graph" if HAS_DEEP_EP else "deep_ep,capacity+equal+graph"
+    result = _bench(*TINY, "--world-size", "2", "--device", "cpu", "--modes", modes)
+    assert result.returncode == 1, result.stdout + result.stderr
+    line = next(line for line in result.stdout.splitlines() if "nothing was compared" in line)
+    assert line.startswith("FAILED: no mode besides the reference ran: ") and line.endswith("; nothing was compared")
+    assert "capacity+equal+graph skipped (CUDA graphs need a GPU)" in line
+    if not HAS_DEEP_EP:
+        assert "deep_ep skipped (deep_ep does not import: " in line
+    assert "OK:" not in result.stdout
+
+
+def test_the_printed_report_says_cpu_times_are_no_figures_and_explains_on_request(capsys, monkeypatch):
+    from megatron_ext.bench import cli, report
+
+    plots = []
+    monkeypatch.setattr(report, "write_plot", lambda path, rows, title, note=None: plots.append(note))
+    monkeypatch.setattr(cli, "_machine", lambda args, world_size: f"{world_size} ranks")
+    sizes = _cpu_runner().sizes
+
+    def printed(cuda, **flags):
+        args = argparse.Namespace(device="cuda" if cuda else "cpu", wide=False, explain=False, json=None, plot="p.png")
+        vars(args).update(flags)
+        rows = [r for r in _synthetic_rows(cuda) if r["status"] in ("ok", "skipped")]
+        cli._print_report(args, sizes, 4, rows, {}, [])
+        return capsys.readouterr().out.splitlines()
+
+    lines = printed(cuda=False)
+    header = next(i for i, line in enumerate(lines) if line.startswith("mode "))
+    assert lines[header - 1] == report.CPU_NOTE and plots == [report.CPU_NOTE]
+    explain = lines.index("--explain: what each column means")  # the legend's place: a hint
+    assert lines[explain - 1].startswith("--wide adds ") and "modes:" not in lines
+    assert lines[explain + 2].startswith("OK: ") and max(len(line) for line in lines) <= 120
+    explained = printed(cuda=False, explain=True)
+    assert (
+        "modes:" in explained
+        and "columns (those marked --wide: with --wide only; the JSON has every number):" in explained
+    )
+    assert not any(line.startswith("--wide adds") for line in explained)
+    on_gpu = printed(cuda=True)
+    assert report.CPU_NOTE not in on_gpu and plots[-1] is None
+    assert max(len(line) for line in on_gpu) <= 120
+
+
+def test_the_plot_on_cpu_ranks_says_its_times_are_no_figures(tmp_path):
+    import matplotlib.pyplot as plt
+
+    from megatron_ext.bench import report
+
+    rows = _synthetic_rows(cuda=False)
+    figure = report.plot_figure(rows, "megatron-ext-bench: 4 gloo rank(s) on CPU", note=report.CPU_NOTE)
+    try:
+        assert figure.get_suptitle() == f"megatron-ext-bench: 4 gloo rank(s) on CPU\n{report.CPU_NOTE}"
+    finally:
+        plt.close(figure)
+    figure = report.plot_figure(rows, "on GPUs")
+    assert figure.get_suptitle() == "on GPUs"
+    plt.close(figure)
+    report.write_plot(str(tmp_path / "p.png"), rows, "t", note=report.CPU_NOTE)
+    assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_docs_explain_every_column():
+    from megatron_ext.bench import report
+
+    with open(os.path.join(ROOT, "docs", "bench.md")) as f:
+        section = f.read().split("## The table's columns")[1].split("\n## ")[0]
+    for column in report.COLUMNS:
+        assert f"`{column.header}`" in section, column.header
+    assert "--explain" in section and "--wide" in section
+
+
+# ------------------------------------------------------------------------------ the package's imports
+
+
+def _import_graph(root: str, package: str) -> dict[str, set[str]]:
+    """Each module of `package` (under `root`) -> the modules of `package` it imports at its top
+    level or under `if TYPE_CHECKING:` (also inside try/except there); function-level imports not."""
+    modules = {}
+    for folder, _, files in os.walk(os.path.join(root, package)):
+        for name in files:
+            if name.endswith(".py"):
+                path = os.path.join(folder, name)
+                module = os.path.relpath(path, root)[:-3].replace(os.sep, ".").removesuffix(".__init__")
+                modules[module] = path
+
+    def top_level(body):
+        for node in body:
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                yield from top_level(node.body)
+            elif isinstance(node, ast.Try):
+                for block in (node.body, *(h.body for h in node.handlers), node.orelse, node.finalbody):
+                    yield from top_level(block)
+            else:
+                yield node
+
+    graph = {}
+    for module, path in modules.items():
+        with open(path) as f:
+            tree = ast.parse(f.read())
+        here = module if path.endswith("__init__.py") else module.rpartition(".")[0]
+        imported = set()
+        for node in top_level(tree.body):
+            if isinstance(node, ast.Import):
+                imported |= {a.name for a in node.names if a.name in modules}
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parent = here.rsplit(".", node.level - 1)[0] if node.level > 1 else here
+                    base = f"{parent}.{base}" if base else parent
+                for alias in node.names:
+                    target = f"{base}.{alias.name}"
+                    imported |= {target} if target in modules else ({base} if base in modules else set())
+        graph[module] = imported - {module}
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Each import circle once, as the path that closes it."""
+    found, done = [], set()
+
+    def visit(module, path):
+        for target in sorted(graph[module]):
+            if target in path:
+                cycle = path[path.index(target) :]
+                if frozenset(cycle) not in done:
+                    done.add(frozenset(cycle))
+                    found.append([*cycle, target])
+            elif len(path) < 50:
+                visit(target, [*path, target])
+
+    for module in sorted(graph):
+        visit(module, [module])
+    return found
+
+
+def test_no_import_circles_among_megatron_ext_modules():
+    graph = _import_graph(ROOT, "megatron_ext")
+    assert "megatron_ext.bench.sizes" in graph["megatron_ext.bench.stack"]  # the walk sees TYPE_CHECKING-free ones
+    assert "megatron_ext.experts_checkpoint" in graph["megatron_ext.experts"]
+    assert _cycles(graph) == [], " / ".join(" -> ".join(c) for c in _cycles(graph))
+
+
+def test_the_import_walk_finds_a_circle_through_type_checking(tmp_path):
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "a.py").write_text("from pkg import b\n")
+    (package / "b.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .c import C\ndef f():\n    from pkg import a\n"
+    )
+    (package / "c.py").write_text("import pkg.a\n")
+    graph = _import_graph(str(tmp_path), "pkg")
+    assert graph == {"pkg": set(), "pkg.a": {"pkg.b"}, "pkg.b": {"pkg.c"}, "pkg.c": {"pkg.a"}}
+    assert _cycles(graph) == [["pkg.a", "pkg.b", "pkg.c", "pkg.a"]]
+    (package / "c.py").write_text("def g():\n    import pkg.a\n")  # a function-level import: no circle
+    assert _cycles(_import_graph(str(tmp_path), "pkg")) == []

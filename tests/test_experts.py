@@ -322,6 +322,24 @@ def test_sharded_state_dict_is_te_grouped_mlp_global_layout(pg):
     assert {entries[k].key for k in extras} == {"mlp.experts.experts.linear_fc2._extra_state"}
 
 
+def test_grouped_mlp_has_what_the_checkpoint_functions_read(pg):
+    """experts_checkpoint reads GroupedMLP and its linears through protocols, so that it imports
+    nothing of megatron_ext.experts (no import circle): the modules must keep what they name."""
+    from megatron_ext import experts_checkpoint
+
+    module = GroupedMLP(L, _config(bias=True), pg_collection=pg)
+    for protocol, instances in (
+        (experts_checkpoint.StackedExperts, [module]),
+        (experts_checkpoint.StackedLinear, [module.linear_fc1, module.linear_fc2]),
+    ):
+        names = [*protocol.__annotations__, *(n for n in vars(protocol) if not n.startswith("_"))]
+        assert names, protocol
+        for instance in instances:
+            assert all(hasattr(instance, name) for name in names), (protocol.__name__, names)
+    assert module.linear_fc1.num_experts == module.num_local_experts == L
+    assert module.linear_fc1.weight.shape[0] == L  # the stacked layout the functions split per expert
+
+
 REFUSED = [
     (dict(expert_tensor_parallel_size=2), "--expert-tensor-parallel-size"),
     (dict(expert_gtp_weight_remat_size=2), "--expert-tensor-parallel-num-weight-shards"),

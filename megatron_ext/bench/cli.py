@@ -2,12 +2,16 @@
 
     megatron-ext-bench                        # one rank per GPU (NCCL); without a GPU, 4 CPU ranks (gloo)
     megatron-ext-bench --json out.json --plot out.png
-    megatron-ext-bench --size mid --steps 10      # a named stack size (SIZES); a size flag overrides its field
+    megatron-ext-bench --size mid --steps 10      # a named stack size (sizes.SIZES); a size flag overrides its field
     torchrun --nproc-per-node 8 -m megatron_ext.bench --size large
 
 Exits 0 when every mode's outputs and gradients equal the blocking mode's (bitwise for
 megatron-ext's torch modes; within a tolerance for stock Megatron and deep_ep, which sum in
-another order); 1, naming the mode, when one differs or fails; 2 on bad arguments.
+another order); 1, naming the mode, when one differs or fails, and 1 when no mode besides blocking
+ran (every other one skipped, saying why: nothing was compared); 2 on bad arguments.
+
+The table shows the most used columns in 120 characters; `--wide` every column, `--explain` what
+each means (docs/bench.md too), `--json` every number.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import logging
 import os
 import sys
 import tempfile
+import textwrap
 import traceback
 import warnings
 
@@ -25,48 +30,12 @@ import torch
 
 import megatron_ext
 from megatron_ext.bench.modes import all_modes, select
-from megatron_ext.bench.run import Sizes
+from megatron_ext.bench.report import WIDTH
+from megatron_ext.bench.sizes import DEFAULT_SIZE, SIZES, SizedParser, Sizes, describe_size
 from megatron_ext.bench.stack import DTYPES
 from megatron_ext.logs import log_with_rank_prefix
 from megatron_ext.options import capacity_factor_argument
 from megatron_ext.tooling.ranks import run_on_ranks, this_rank, under_torchrun
-
-# Named stacks, so a command names its size instead of spelling six flags: the sizes the
-# benchmarks report (docs/benchmarks.md). Without --size, DEFAULT_SIZE (a stack CPU ranks run in seconds).
-SIZE_FIELDS = ("layers", "tokens", "hidden", "ffn_hidden", "experts", "topk")
-SIZES = {
-    "small": dict(layers=8, tokens=512, hidden=512, ffn_hidden=256, experts=16, topk=2),
-    "mid": dict(layers=4, tokens=4096, hidden=2048, ffn_hidden=1024, experts=32, topk=4),
-    "fine": dict(layers=8, tokens=4096, hidden=2048, ffn_hidden=768, experts=128, topk=8),
-    "large": dict(layers=8, tokens=8192, hidden=4096, ffn_hidden=1024, experts=64, topk=8),
-}
-DEFAULT_SIZE = dict(layers=2, tokens=256, hidden=128, ffn_hidden=128, experts=8, topk=2)
-
-
-def _describe_size(fields: dict) -> str:
-    return (
-        f"{fields['layers']} layers, T {fields['tokens']}, H {fields['hidden']}, FFN {fields['ffn_hidden']}, "
-        f"E {fields['experts']}, top-{fields['topk']}"
-    )
-
-
-def fill_sizes(args: argparse.Namespace) -> argparse.Namespace:
-    """Each stack-size field left unset (None) from `args.size`'s preset, or else from DEFAULT_SIZE;
-    a field given as a flag stays. Only the fields `args` has (a tool may take a few of them)."""
-    preset = SIZES[args.size] if getattr(args, "size", None) else DEFAULT_SIZE
-    for name in SIZE_FIELDS:
-        if hasattr(args, name) and getattr(args, name) is None:
-            setattr(args, name, preset[name])
-    return args
-
-
-class SizedParser(argparse.ArgumentParser):
-    """A parser whose results have the stack sizes filled in (`fill_sizes`): the size flags default
-    to None so that one given next to --size can be told from one left out."""
-
-    def parse_known_args(self, args=None, namespace=None):
-        parsed, rest = super().parse_known_args(args, namespace)
-        return fill_sizes(parsed), rest
 
 
 def parser() -> argparse.ArgumentParser:
@@ -83,7 +52,7 @@ def parser() -> argparse.ArgumentParser:
         choices=tuple(SIZES),
         default=None,
         help="a named stack: "
-        + "; ".join(f"{name}: {_describe_size(fields)}" for name, fields in SIZES.items())
+        + "; ".join(f"{name}: {describe_size(fields)}" for name, fields in SIZES.items())
         + ". A size flag given with it overrides that field (default: the defaults below)",
     )
     d = DEFAULT_SIZE  # the defaults are filled in after parsing (SizedParser), so --size can set them
@@ -129,8 +98,12 @@ def parser() -> argparse.ArgumentParser:
     out.add_argument("--json", metavar="PATH", help="write every number (per rank too) as JSON")
     out.add_argument("--plot", metavar="PATH", help="write a PNG of step time and host syncs per mode (matplotlib)")
     out.add_argument(
-        "--wide", action="store_true", help="the table's less used columns too: held after fwd, sent/dispatch"
+        "--wide",
+        action="store_true",
+        help=f"every column (GPU ms, dispatch host time, bytes sent, ...), not just the most used ones that fit "
+        f"{WIDTH} characters",
     )
+    out.add_argument("--explain", action="store_true", help="print what each column means (docs/bench.md has it too)")
     out.add_argument("--no-progress", action="store_true", help="no progress bar")
     out.add_argument("--verbose", action="store_true", help="megatron-ext's log (patching, calibration) on stderr")
     return p
@@ -287,6 +260,9 @@ def _rank_main(rank: int, world_size: int, args, failure_dir: str) -> bool:
     rows = [report.aggregate(mode, [ranks[mode.name] for ranks in gathered]) for mode in args.selected]
     report.add_ratios(rows)
     problems = report.failures(rows)
+    nothing = report.nothing_compared(rows)  # every other mode skipped: the run checked nothing
+    if nothing is not None:
+        problems.append(nothing)
     if rank == 0:
         _print_report(args, sizes, world_size, rows, facts, problems)
     megatron_ext.patches.revert(applied)
@@ -312,31 +288,34 @@ def _print_report(args, sizes, world_size, rows, facts, problems) -> None:
         f"H {sizes.hidden}, FFN {sizes.ffn_hidden}, E {sizes.experts}, top-{sizes.topk}, {sizes.dtype}, "
         f"skew {sizes.skew:g}, capacity factor {sizes.capacity_factor:g}"
     )
-    print(title)
+    _say(title)
     if load is not None:
         print(f"routing: busiest expert holds {load:.2f}x the mean (layer 1, first step)")
     rounds = f", in each of {sizes.repeat} rounds" if sizes.repeat > 1 else ""
-    print(
+    _say(
         f"per mode: {sizes.check_steps} checked + {sizes.warmup} warm-up + 1 counted + {sizes.steps} timed "
-        f"steps on the same inputs and weights{rounds}\n"
+        f"steps on the same inputs and weights{rounds}"
     )
+    print()
+    if not cuda:
+        print(report.CPU_NOTE)
     print(report.table(rows, cuda, wide=args.wide))
+    for line in report.skipped_lines(rows):
+        print(line)
     print()
-    print(report.legend(rows, cuda, sizes, wide=args.wide))
+    print(report.legend(rows, cuda, sizes) if args.explain else report.hint(rows, cuda, wide=args.wide))
     print()
+    nothing = report.nothing_compared(rows)
     if problems:
         for problem in problems:
-            print(f"FAILED {problem}")
+            print(f"FAILED: {problem}" if problem == nothing else f"FAILED {problem}")
     else:
         kinds = {r["name"]: r["equal_to_blocking"] for r in rows if r["status"] == "ok"}
         bitwise = [n for n, k in kinds.items() if k == "bitwise" and n != "blocking"]
         close = [n for n, k in kinds.items() if k == "close"]
         said = [f"bitwise for {', '.join(bitwise)}"] if bitwise else []
         said += [f"within tolerance for {', '.join(close)}"] if close else []
-        if said:
-            print("OK: outputs and gradients equal blocking's: " + "; ".join(said))
-        else:
-            print("OK: blocking ran (the reference); no other mode ran to compare with it")
+        _say("OK: outputs and gradients equal blocking's: " + "; ".join(said))
     if args.json:
         report.write_json(
             args.json,
@@ -354,8 +333,13 @@ def _print_report(args, sizes, world_size, rows, facts, problems) -> None:
         )
         print(f"wrote {args.json}")
     if args.plot:
-        report.write_plot(args.plot, rows, title)
+        report.write_plot(args.plot, rows, title, note=None if cuda else report.CPU_NOTE)
         print(f"wrote {args.plot}")
+
+
+def _say(text: str) -> None:
+    """`text` wrapped to the table's width (mode names kept whole)."""
+    print(textwrap.fill(text, WIDTH, subsequent_indent="    ", break_on_hyphens=False, break_long_words=False))
 
 
 # ---------------------------------------------------------------------------------- launching

@@ -26,6 +26,7 @@ from collections.abc import Iterator
 import torch
 
 from megatron_ext.bench.counters import kernel_times
+from megatron_ext.bench.sizes import SIZE_FIELDS, SizedParser, fill_sizes
 
 
 @contextlib.contextmanager
@@ -55,7 +56,6 @@ def one_gpu_rank(seed: int = 0) -> Iterator[torch.device]:
 def size_arguments(prog: str, description: str, extra: tuple[str, ...] = ()) -> argparse.ArgumentParser:
     """A parser with the bench's stack-size flags (same names and defaults, --size too) and `extra`
     of its flags; what it parses has the sizes filled in, as the bench's does."""
-    from megatron_ext.bench.cli import SIZE_FIELDS, SizedParser
     from megatron_ext.bench.cli import parser as bench_parser
 
     p = SizedParser(prog=prog, description=description)
@@ -69,8 +69,8 @@ def size_arguments(prog: str, description: str, extra: tuple[str, ...] = ()) -> 
 def sizes_from(args):
     """The bench's `Sizes` for `args`, bf16, the bench's defaults for everything else (sizes left
     None in `args` from its --size, as the bench fills them)."""
-    from megatron_ext.bench.cli import fill_sizes, sizes_of
     from megatron_ext.bench.cli import parser as bench_parser
+    from megatron_ext.bench.cli import sizes_of
 
     size = getattr(args, "size", None)
     full = bench_parser().parse_args(["--size", size] if size else [])

@@ -5,6 +5,9 @@ from __future__ import annotations
 import json
 import math
 import statistics
+import textwrap
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Optional
 
 from megatron_ext.bench.modes import BLOCKING, STOCK, STOCK_TE, Mode
@@ -106,6 +109,33 @@ def failures(rows: list[dict]) -> list[str]:
     return [f"{r['name']}: {r['status']}: {r['detail']}" for r in rows if r["status"] in ("differs", "failed")]
 
 
+def skipped(rows: list[dict]) -> list[tuple[list[str], str]]:
+    """The skipped modes grouped by their reason, in table order: [(names, reason)]."""
+    groups: dict[str, list[str]] = {}
+    for r in rows:
+        if r["status"] == "skipped":
+            groups.setdefault(r["detail"] or "no reason given", []).append(r["name"])
+    return [(names, reason) for reason, names in groups.items()]
+
+
+def nothing_compared(rows: list[dict]) -> Optional[str]:
+    """Why nothing was checked against the reference when no mode besides blocking ran (each one
+    skipped, or none selected): a run that compared nothing proves nothing. None when one ran."""
+    others = [r for r in rows if r["name"] != BLOCKING]
+    if any(r["status"] != "skipped" for r in others):
+        return None
+    why = "; ".join(f"{', '.join(names)} skipped ({reason})" for names, reason in skipped(others))
+    return f"no mode besides the reference ran: {why or 'no other mode was selected'}; nothing was compared"
+
+
+# ---------------------------------------------------------------------------------- the table
+
+WIDTH = 120  # the default table's widest line: a terminal's width
+CPU_NOTE = "CPU ranks (gloo): times show the code runs, not its speed; measure on GPUs"
+EXPLAIN_HINT = "--explain: what each column means"
+_BOTH, _GPU, _CPU = frozenset({"cpu", "gpu"}), frozenset({"gpu"}), frozenset({"cpu"})
+
+
 def _fmt(value, spec: str, none: str = "-") -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return none
@@ -126,12 +156,12 @@ def _spread(rounds: list[float]) -> str:
 
 
 def _capacity(row: dict) -> str:
-    """'capacity min-max / rows used max' over the layers, '-' outside capacity mode."""
+    """'capacity min-max/rows used max' over the layers, '-' outside capacity mode."""
     capacities, used = row.get("capacities") or [], row.get("rows_used") or []
     if not capacities:
         return "-"
     span = f"{min(capacities)}" if min(capacities) == max(capacities) else f"{min(capacities)}-{max(capacities)}"
-    return f"{span} / {max(used)}" if used else span
+    return f"{span}/{max(used)}" if used else span
 
 
 def _ran_ahead(runahead: Optional[dict]) -> str:
@@ -140,136 +170,275 @@ def _ran_ahead(runahead: Optional[dict]) -> str:
     if runahead["ran_ahead"]:
         return "step"
     if runahead["rounds"] > 1 and runahead["rounds_ran_ahead"] > 0:
-        return f"step in {runahead['rounds_ran_ahead']}/{runahead['rounds']} rounds"
+        return f"{runahead['rounds_ran_ahead']}/{runahead['rounds']} rounds"
     if runahead["dispatches_ahead"] is None:  # a graph replay: its dispatches are not seen
         return "no"
     return f"{runahead['dispatches_ahead']}/{runahead['dispatches']} disp."
 
 
-def table(rows: list[dict], cuda: bool, wide: bool = False) -> str:
-    """The table; `wide` adds the columns the default leaves to the JSON (held after fwd, sent/dispatch),
-    so that the GPU columns (GPU ms, step/GPU) fit in the width the table had before them."""
+def _vs_blocking(row: dict) -> str:
+    if row["status"] == "failed":
+        return "failed"
+    if row["name"] == BLOCKING:
+        return "reference"
+    equal = row["equal_to_blocking"] or "-"
+    if equal in ("close", "differs") and row["max_rel_error"]:
+        return f"{equal} {row['max_rel_error']:.0e}"  # one digit here; the JSON has the number
+    return equal
+
+
+def _overflows(row: dict) -> str:
+    overflows = _fmt(row["overflows"], "d")
+    return f"{overflows} ({row['reruns']} re-run)" if row.get("reruns") else overflows
+
+
+@dataclass(frozen=True)
+class Column:
+    """One column of the table.
+
+    meaning: what `--explain` (and docs/bench.md) says of it; {steps}, {check_steps}, {rounds} and
+    {clock} are filled in from the run. devices: where it has numbers ('cpu', 'gpu'). default:
+    where the table shows it without --wide. keep: the higher, the later it is dropped when the
+    default table would be wider than WIDTH (it stays in --wide and in the JSON).
+    """
+
+    header: str
+    cell: Callable[[dict], str]
+    meaning: str
+    devices: frozenset = _BOTH
+    default: frozenset = _BOTH
+    keep: int = 0
+    repeated_only: bool = False
+
+
+COLUMNS = (
+    Column("mode", lambda r: r["name"], "the dispatch mode; its flags are listed under 'modes' below.", keep=99),
+    Column(
+        "vs blocking",
+        _vs_blocking,
+        "outputs, input gradients and every parameter gradient of {check_steps} steps against blocking's (the "
+        "reference): 'bitwise', 'close E' (a mode that sums in another order, within the tolerance; E: the "
+        "largest relative error), 'differs E' (the run fails), 'failed', or 'skipped' (why: under the table).",
+        keep=98,
+    ),
+    Column(
+        "step ms",
+        lambda r: _fmt(r["step_ms"], ".2f"),
+        "median of {steps} timed forward+backward steps{rounds} ({clock}), slowest rank.",
+        keep=97,
+    ),
+    Column(
+        "rounds ms",
+        lambda r: _spread(r["round_step_ms"]),
+        "the lowest and highest round's median step ms (--repeat); the rounds run every mode in turn, so "
+        "drift in the machine's speed reaches every mode.",
+        keep=90,
+        repeated_only=True,
+    ),
+    Column(
+        "GPU ms",
+        lambda r: _fmt(r.get("gpu_busy_ms"), ".2f"),
+        "the time the GPU was busy (a kernel, copy or memset running; overlaps counted once) in one more step "
+        "profiled with torch.profiler, slowest rank, lowest round; a collective's kernel counts while it waits "
+        "for the other ranks.",
+        devices=_GPU,
+        default=frozenset(),
+    ),
+    Column(
+        "x GPU",
+        lambda r: _fmt(r.get("step_vs_gpu"), ".2f"),
+        "step ms over GPU ms: near 1 the GPU sets the pace; 1.5: the GPU idles a third of the step, waiting "
+        "for the host's launches or syncs.",
+        devices=_GPU,
+        keep=80,
+    ),
+    Column(
+        "x stock",
+        lambda r: _fmt(r["step_vs_stock"], ".2f"),
+        "step ms over stock Megatron's with the same experts (megatron+te for the TE rows).",
+        default=_GPU,  # on CPU a ratio of times that are no performance figures
+        keep=94,
+    ),
+    Column(
+        "disp host ms",
+        lambda r: _fmt(r["dispatch_host_ms"], ".3f"),
+        "host time of one forward dispatch call (MoELayer.preprocess + dispatch), median, slowest rank.",
+        default=frozenset(),
+    ),
+    Column(
+        "syncs",
+        lambda r: _fmt(r["host_syncs_per_step"], "d"),
+        "host reads of device values in one step, counted by megatron_ext.tooling.sync.count_host_syncs "
+        "(the most any rank made).",
+        keep=96,
+    ),
+    Column(
+        "all-reduces",
+        lambda r: _fmt(r["all_reduces_per_step"], "d"),
+        "all-reduces launched in one step (the most any rank made).",
+        default=_CPU,
+        keep=70,
+    ),
+    Column(
+        "ran ahead",
+        lambda r: _ran_ahead(r["runahead"]),
+        "'step' when the host enqueued a whole step while the GPU slept (megatron_ext.tooling.sync."
+        "runahead_probe); 'N/M rounds': it did so in N of M rounds; else how many of the step's forward "
+        "dispatches it got past before the GPU woke ('N/M disp.'; 'no' for a graph replay, whose dispatches "
+        "are not seen). CUDA's launch queue holds about 1,000 kernels: a step that launches more stops the "
+        "host when the queue is full, sync or not; a blocking dispatch stops it at the first layer.",
+        devices=_GPU,
+        keep=85,
+    ),
+    Column(
+        "peak mem",
+        lambda r: _bytes(r["peak_step_memory_bytes"]),
+        "the largest rank's peak allocation during a step, above its start with the last step's gradients "
+        "freed (activations, this step's gradients, transients).",
+        devices=_GPU,
+        keep=60,
+    ),
+    Column(
+        "fwd held",
+        lambda r: _bytes(r.get("forward_memory_bytes")),
+        "what the forward left allocated for the backward (largest rank).",
+        devices=_GPU,
+        default=frozenset(),
+    ),
+    Column(
+        "cap/used",
+        _capacity,
+        "capacity-mode rows per dispatch (min-max over the layers) / the most rows any dispatch filled (max "
+        "over layers, steps and ranks): the padding paid for is the difference ('-': not capacity mode).",
+        default=_CPU,
+        keep=65,
+    ),
+    Column(
+        "map alloc",
+        lambda r: _bytes(r["routing_map_bytes_allocated_per_step"]),
+        "routing-map all-gather bytes allocated per step and rank ('-': no such gather, or not visible).",
+        default=_CPU,
+        keep=62,
+    ),
+    Column(
+        "sent/disp",
+        lambda r: _bytes(r["bytes_sent_per_dispatch"]),
+        "bytes a rank hands collectives for other ranks in one forward dispatch ('-': not visible).",
+        default=frozenset(),
+    ),
+    Column(
+        "overflows",
+        _overflows,
+        "non-blocking dispatches that needed more rows than their capacity, over the layers and ranks ('-': "
+        "not capacity mode); '(N re-run)': steps the overflow re-run policy ran again, blocking.",
+        keep=50,
+    ),
+)
+
+
+def _device(cuda: bool) -> str:
+    return "gpu" if cuda else "cpu"
+
+
+def _present(rows: list[dict], cuda: bool) -> list[Column]:
+    """Every column that has numbers in this run (the --wide table)."""
     repeated = any(len(r.get("round_step_ms") or []) > 1 for r in rows)
-    header = ["mode", "vs blocking", "step ms"] + (["round medians"] if repeated else [])
-    header += ["GPU ms", "step/GPU"] if cuda else []
-    header += ["x stock", "dispatch host ms", "syncs/step", "all-reduces/step"]
-    if cuda:
-        header += ["ran ahead", "peak step mem"] + (["held after fwd"] if wide else [])
-    header += ["capacity / used", "map alloc/step"] + (["sent/dispatch"] if wide else []) + ["overflows"]
+    return [c for c in COLUMNS if _device(cuda) in c.devices and (repeated or not c.repeated_only)]
+
+
+def _render(rows: list[dict], columns: list[Column]) -> list[str]:
+    header = [c.header for c in columns]
     lines = []
     for r in rows:
-        if r["status"] == "skipped":
-            lines.append([r["name"], "skipped"] + [""] * (len(header) - 2))
-            continue
-        if r["status"] == "failed":
-            equal = "failed"
-        elif r["name"] == BLOCKING:
-            equal = "reference"
+        if r["status"] == "skipped":  # why: under the table
+            lines.append([r["name"], "skipped"] + [""] * (len(columns) - 2))
         else:
-            equal = r["equal_to_blocking"]
-        if equal not in ("bitwise", "reference", "failed") and r["max_rel_error"]:
-            equal = f"{equal} ({r['max_rel_error']:.1e})"
-        cells = [
-            r["name"],
-            equal,
-            _fmt(r["step_ms"], ".2f"),
-            *([_spread(r["round_step_ms"])] if repeated else []),
-            *([_fmt(r.get("gpu_busy_ms"), ".2f"), _fmt(r.get("step_vs_gpu"), ".2f")] if cuda else []),
-            _fmt(r["step_vs_stock"], ".2f"),
-            _fmt(r["dispatch_host_ms"], ".3f"),
-            _fmt(r["host_syncs_per_step"], "d"),
-            _fmt(r["all_reduces_per_step"], "d"),
-        ]
-        if cuda:
-            cells.append(_ran_ahead(r["runahead"]))
-            cells.append(_bytes(r["peak_step_memory_bytes"]))
-            if wide:
-                cells.append(_bytes(r.get("forward_memory_bytes")))
-        cells.append(_capacity(r))
-        cells.append(_bytes(r["routing_map_bytes_allocated_per_step"]))
-        if wide:
-            cells.append(_bytes(r["bytes_sent_per_dispatch"]))
-        overflows = _fmt(r["overflows"], "d")
-        if r.get("reruns"):
-            overflows += f" ({r['reruns']} re-run)"
-        cells += [overflows]
-        lines.append(cells)
-    widths = [max(len(str(row[i])) for row in [header, *lines]) for i in range(len(header))]
+            lines.append([c.cell(r) for c in columns])
+    widths = [max(len(row[i]) for row in [header, *lines]) for i in range(len(columns))]
     render = [
-        "  ".join(str(c).ljust(w) if i == 0 else str(c).rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
+        "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))).rstrip()
         for row in [header, *lines]
     ]
     render.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(render)
+    return render
 
 
-def legend(rows: list[dict], cuda: bool, sizes, wide: bool = False) -> str:
-    clock = "CUDA events" if cuda else "the host clock"
-    rounds = f" in each of {sizes.repeat} rounds" if sizes.repeat > 1 else ""
-    lines = [
-        f"step ms: median of {sizes.steps} timed forward+backward steps{rounds} ({clock}), slowest rank; x stock: "
-        "over stock Megatron's with the same experts (megatron+te for the TE rows).",
-    ]
-    if cuda:
-        lines.append(
-            "GPU ms: the time the GPU was busy (a kernel, copy or memset running; overlaps counted once) in one more "
-            "step profiled with torch.profiler, slowest rank, lowest round; a collective's kernel counts while it "
-            "waits for the other ranks. step/GPU: step ms over it: near 1 the GPU sets the pace; 1.5: the GPU "
-            "idles a third of the step, waiting for the host's launches or syncs."
-        )
-    lines += [
-        "dispatch host ms: host time of one forward dispatch call (MoELayer.preprocess + dispatch), median, slowest "
-        "rank.",
-        "syncs/step: host reads of device values in one step, counted by megatron_ext.tooling.sync.count_host_syncs.",
-    ]
-    if not cuda:
-        lines.append(
-            "On CPU the ranks share a few cores, so times say little about a GPU; the counts (syncs, all-reduces, "
-            "bytes, allocations) and the checks carry over."
-        )
-    if sizes.repeat > 1:
-        lines.append(
-            "round medians: the lowest and highest round's median; the rounds run every mode in turn, so drift in "
-            "the machine's speed reaches every mode."
-        )
-    if cuda:
-        lines.append(
-            "ran ahead: 'step' when the host enqueued a whole step while the GPU slept (megatron_ext.tooling.sync."
-            "runahead_probe); else how many of the step's forward dispatches it got past before the GPU woke. CUDA's "
-            "launch queue holds about 1,000 kernels: a step that launches more stops the host when the queue is "
-            "full, sync or not; a blocking dispatch stops it at the first layer."
-        )
-        lines.append(
-            "peak step mem: the largest rank's peak allocation during a step, above its start with the last "
-            "step's gradients freed (activations, this step's gradients, transients)"
-            + ("; held after fwd: what the forward left allocated for the backward." if wide else ".")
-        )
-    lines.append(
-        "capacity / used: capacity-mode rows per dispatch (min-max over the layers) / the most rows any "
-        "dispatch filled (max over layers, steps and ranks): the padding paid for is the difference."
-    )
-    lines.append(
-        "map alloc/step: routing-map all-gather bytes allocated per step and rank ('-': no such gather, or not "
-        "visible)."
-    )
+def columns(rows: list[dict], cuda: bool, wide: bool = False, width: int = WIDTH) -> list[Column]:
+    """The table's columns: with `wide` every one with numbers; else the default ones, those kept
+    least dropped one by one while the table would be wider than `width`."""
+    present = _present(rows, cuda)
     if wide:
-        lines.append(
-            "sent/dispatch: bytes a rank hands collectives for other ranks in one forward dispatch ('-': not visible)."
+        return present
+    shown = [c for c in present if _device(cuda) in c.default]
+    while len(shown) > 2 and max(len(line) for line in _render(rows, shown)) > width:
+        shown.remove(min(shown[2:], key=lambda c: c.keep))  # mode and vs blocking stay
+    return shown
+
+
+def table(rows: list[dict], cuda: bool, wide: bool = False, width: int = WIDTH) -> str:
+    """The table: the default columns no wider than `width` (a terminal); `wide` adds the rest
+    (the JSON has every number either way)."""
+    return "\n".join(_render(rows, columns(rows, cuda, wide, width)))
+
+
+def skipped_lines(rows: list[dict], width: int = WIDTH) -> list[str]:
+    """'skipped: names (reason)' per reason, wrapped to `width`."""
+    return [
+        line
+        for names, reason in skipped(rows)
+        for line in _wrap(f"skipped: {', '.join(names)} ({reason})", width, indent="    ")
+    ]
+
+
+def hint(rows: list[dict], cuda: bool, wide: bool = False, width: int = WIDTH) -> str:
+    """The lines under the table in place of the legend: what --wide adds, and --explain."""
+    shown = columns(rows, cuda, wide, width)
+    more = [c.header for c in _present(rows, cuda) if c not in shown]
+    if not more:
+        return EXPLAIN_HINT
+    line = f"--wide adds {', '.join(more)} (the JSON has every number)"
+    if len(line) > width:
+        line = f"--wide adds {len(more)} columns (the JSON has every number)"
+    return f"{line}\n{EXPLAIN_HINT}"
+
+
+def _wrap(text: str, width: int, indent: str = "  ") -> list[str]:
+    # Mode names and flags stay whole (no breaks at '-' or inside a word).
+    return textwrap.wrap(text, width, subsequent_indent=indent, break_on_hyphens=False, break_long_words=False) or [""]
+
+
+def legend(rows: list[dict], cuda: bool, sizes, width: int = WIDTH) -> str:
+    """What each column means (`--explain`; docs/bench.md has the same), then every mode's flags."""
+    filled = dict(
+        steps=sizes.steps,
+        check_steps=sizes.check_steps,
+        rounds=f" in each of {sizes.repeat} rounds" if sizes.repeat > 1 else "",
+        clock="CUDA events" if cuda else "the host clock",
+    )
+    default = columns(rows, cuda)
+    lines = ["columns (those marked --wide: with --wide only; the JSON has every number):"]
+    for c in _present(rows, cuda):
+        wide_only = "" if c in default else " (--wide)"
+        lines += _wrap(f"  {c.header}{wide_only}: {c.meaning.format(**filled)}", width, indent="      ")
+    if not cuda:
+        lines += _wrap(
+            "On CPU the ranks share a few cores, so times say little about a GPU; the counts (syncs, all-reduces, "
+            "bytes, allocations) and the checks carry over.",
+            width,
         )
-    else:
-        lines.append(f"--wide adds {'held after fwd and ' if cuda else ''}sent/dispatch (the JSON always has them).")
     if any(r.get("graph") and r["status"] not in ("skipped", "failed") for r in rows):
-        lines.append(
+        lines += _wrap(
             "+graph: every step after the capture is one replay of a CUDA graph, which runs no Python: what is "
-            "counted at Python calls (dispatch host ms, all-reduces, bytes, map alloc) reads '-', syncs/step counts "
-            "the replay's (none can happen), and peak step mem is the capture's (the graph's pool keeps it)."
+            "counted at Python calls (disp host ms, all-reduces, bytes, map alloc) reads '-', syncs counts "
+            "the replay's (none can happen), and peak mem is the capture's (the graph's pool keeps it).",
+            width,
         )
     lines.append("modes:")
     for r in rows:
-        lines.append(f"  {r['name']}: {r['summary']}")
-        lines.append("      " + " ".join(r["flags"]))
+        lines += _wrap(f"  {r['name']}: {r['summary']}", width, indent="      ")
+        lines += _wrap("      " + " ".join(r["flags"]), width, indent="      ")
         if r["detail"]:
-            lines.append("      " + r["detail"])
+            lines += _wrap("      " + r["detail"], width, indent="      ")
     return "\n".join(lines)
 
 
@@ -279,8 +448,9 @@ def write_json(path: str, report: dict) -> None:
         f.write("\n")
 
 
-def write_plot(path: str, rows: list[dict], title: str) -> None:
-    """A PNG: step time and host syncs per step, one bar per mode that ran."""
+def plot_figure(rows: list[dict], title: str, note: Optional[str] = None):
+    """The plot's figure: step time and host syncs per step, one bar per mode that ran; `note`
+    (CPU_NOTE on CPU ranks) under the title. The caller closes it."""
     import logging
 
     import matplotlib
@@ -291,7 +461,7 @@ def write_plot(path: str, rows: list[dict], title: str) -> None:
 
     ran = [r for r in rows if r["status"] != "skipped" and r["step_ms"] is not None]
     names = [r["name"] for r in ran]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 0.5 * len(ran) + 2), sharey=True)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 0.5 * len(ran) + 2.4), sharey=True)
     steps = left.barh(names, [r["step_ms"] for r in ran], color="tab:blue")
     left.bar_label(steps, fmt="%.2f", padding=2, fontsize=8)
     left.set_xlabel("step time, ms (median)")
@@ -299,7 +469,15 @@ def write_plot(path: str, rows: list[dict], title: str) -> None:
     right.bar_label(syncs, fmt="%d", padding=2, fontsize=8)
     right.set_xlabel("host synchronisations per step")
     left.invert_yaxis()
-    fig.suptitle(title, fontsize=9)
+    fig.suptitle(title if note is None else f"{title}\n{note}", fontsize=9)
     fig.tight_layout()
+    return fig
+
+
+def write_plot(path: str, rows: list[dict], title: str, note: Optional[str] = None) -> None:
+    """A PNG of `plot_figure`."""
+    import matplotlib.pyplot as plt
+
+    fig = plot_figure(rows, title, note)
     fig.savefig(path, dpi=120)
     plt.close(fig)

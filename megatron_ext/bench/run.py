@@ -36,6 +36,7 @@ import torch.distributed as dist
 from megatron_ext.bench.counters import DispatchTimer, busy_ms, count_collectives, gpu_operations
 from megatron_ext.bench.graphed import GraphedStep
 from megatron_ext.bench.modes import BLOCKING, GRAPH_SKIP_REASON, Mode
+from megatron_ext.bench.sizes import Sizes
 from megatron_ext.bench.stack import (
     MoEStack,
     grads_by_name,
@@ -44,33 +45,6 @@ from megatron_ext.bench.stack import (
     megatron_config,
     te_import_error,
 )
-
-
-@dataclass(frozen=True)
-class Sizes:
-    """The stack and the run; the same for every mode."""
-
-    layers: int
-    tokens: int  # per rank
-    hidden: int
-    ffn_hidden: int
-    experts: int
-    topk: int
-    dtype: str  # 'bf16' | 'fp16' | 'fp32'
-    skew: float
-    capacity_factor: float
-    steps: int
-    check_steps: int
-    warmup: int
-    seed: int
-    runahead_sleep_ms: float = 300.0
-    repeat: int = 1
-    size: Optional[str] = None  # the `--size` preset the stack came from, if any (flags may override it)
-
-    @property
-    def steps_per_mode(self) -> int:
-        """Checked, warm-up, counted and timed steps in one round."""
-        return self.check_steps + self.warmup + 1 + self.steps
 
 
 @dataclass

@@ -13,9 +13,10 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
+from megatron_ext.bench.sizes import Sizes
+
 if TYPE_CHECKING:
     from megatron_ext.bench.modes import Mode
-    from megatron_ext.bench.run import Sizes
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
