@@ -150,12 +150,15 @@ def test_an_overflow_inside_a_replayed_full_iteration_graph_is_rerun_and_recaptu
     again; 4 replayed. Every step's loss and gradients equal the blocking layer's, and the
     capacity-use metric reads the replay's rows."""
     from megatron.core.full_cuda_graph import FullCudaGraphWrapper
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 
     from megatron_ext.dispatcher import CAPACITY_USE_METRIC
     from megatron_ext.recovery import OverflowRerun
 
     _needs(implementation)
+    # Megatron's RNG states as its training loop makes them with CUDA graphs (the wrapper registers them).
+    model_parallel_cuda_manual_seed(1, use_cudagraphable_rng=True, force_reset_rng=True)
     layer = moe_layer(_config(implementation), experts="grouped")
     blocking = moe_layer(
         make_config(1, **FLEX, hidden_size=HIDDEN, moe_hybridep_implementation=implementation), "grouped"
