@@ -218,6 +218,13 @@ def graphs_dropless_moe(config: Any) -> bool:
 def _check_graphs(config: Any, options: HybridEPOptions) -> None:
     """Refuse CUDA-graph settings that cannot hold the MoE dispatch this config asks for."""
     impl = graph_impl(config)
+    if impl in PER_LAYER_GRAPHS and {"moe", "moe_router"} <= graph_modules(config):
+        # Megatron's own check, which `HybridEPTransformerConfig` would not reach when it lifts the
+        # drop-and-pad one (it hides `moe` from Megatron's checks).
+        raise HybridEPConfigError(
+            "--cuda-graph-modules moe and moe_router: the first graphs the whole MoE layer, the second its "
+            "router alone; name one of them."
+        )
     if impl in PER_LAYER_GRAPHS and "moe" in graph_modules(config) and not drop_and_pad(config):
         if options.capacity_factor is None or not options.equal_token_counts:
             raise HybridEPConfigError(

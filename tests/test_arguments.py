@@ -610,6 +610,11 @@ CAPACITY_EQUAL = ["--moe-hybridep-capacity-factor", "1.5", "--moe-hybridep-equal
     "extra, expected",
     [
         (
+            ["--cuda-graph-impl", "local", "--cuda-graph-modules", "moe", "moe_router", *CAPACITY_EQUAL]
+            + ["--moe-hybridep-overflow-policy", "fail"],
+            ["--cuda-graph-modules moe and moe_router", "name one of them"],
+        ),
+        (
             ["--cuda-graph-impl", "local", "--cuda-graph-modules", "moe"],
             ["--cuda-graph-modules moe graphs the whole MoE layer", "--moe-hybridep-equal-token-counts"],
         ),
@@ -640,6 +645,7 @@ CAPACITY_EQUAL = ["--moe-hybridep-capacity-factor", "1.5", "--moe-hybridep-equal
         ),
     ],
     ids=[
+        "moe-and-router",
         "moe-module-stock",
         "moe-module-without-equal",
         "full-iteration-without-equal",
