@@ -25,53 +25,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import statistics
 import subprocess
 import sys
 from pathlib import Path
 
+from megatron_ext.tooling.train_logs import COMPARED, first_difference, parse_log, step_ms, tokens_per_step_and_gpus
+
 HERE = Path(__file__).resolve().parent
 MODES = ("blocking", "capacity")
-COMPARED = ("lm loss", "load_balancing_loss", "grad norm")  # as printed by Megatron's training log
-ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|")
-FIELD = re.compile(r"\|\s*([^|:]+?):\s*([^|]+?)\s*(?=\|)")
-ARGUMENT = re.compile(r"^\s+(seq_length|global_batch_size|world_size) \.+ (\d+)\s*$", re.MULTILINE)
-
-
-def tokens_per_step_and_gpus(text: str) -> tuple[int, int] | None:
-    """(global batch x sequence length, world size) from Megatron's argument listing, if printed."""
-    found = dict((name, int(value)) for name, value in ARGUMENT.findall(text))
-    if {"seq_length", "global_batch_size", "world_size"} <= found.keys():
-        return found["seq_length"] * found["global_batch_size"], found["world_size"]
-    return None
-
-
-def parse_log(text: str) -> dict[int, dict[str, str]]:
-    """{iteration: {field: value as printed}} from Megatron's per-iteration log lines."""
-    iterations = {}
-    for line in text.splitlines():
-        found = ITERATION.search(line)
-        if found:
-            fields = {name.strip(): value for name, value in FIELD.findall(line[found.start() :])}
-            iterations[int(found.group(1))] = fields
-    return iterations
-
-
-def step_ms(iterations: dict[int, dict[str, str]], skip: int) -> list[float]:
-    key = "elapsed time per iteration (ms)"
-    return [float(f[key]) for i, f in sorted(iterations.items()) if i > skip and key in f]
-
-
-def first_difference(reference: dict, other: dict) -> str | None:
-    if sorted(reference) != sorted(other):
-        return f"logged iterations differ: {len(reference)} against {len(other)}"
-    for iteration in sorted(reference):
-        for name in COMPARED:
-            a, b = reference[iteration].get(name), other[iteration].get(name)
-            if a != b:
-                return f"iteration {iteration}: {name} {a} against {b}"
-    return None
 
 
 def main(argv=None) -> int:

@@ -27,8 +27,7 @@ here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 # The checkout's environment (.ci/setup) where there is one, as the README's setup line makes it.
 [ -x "$here/../.venv/bin/python" ] && default_python=$here/../.venv/bin/python || default_python=python
 PYTHON=${PYTHON:-$default_python}
-MODE=${MODE:-capacity}
-PRECISION=${PRECISION:-bf16}
+source "$here/modes.sh"  # MODE, PRECISION -> mode_flags
 
 args=(
   --transformer-impl local
@@ -50,16 +49,7 @@ args=(
   --train-iters 10 --eval-iters 0 --eval-interval 10 --log-interval 1
   --mock-data --tokenizer-type NullTokenizer --vocab-size 32000
 )
-case $MODE in
-  capacity) args+=(--moe-hybridep-capacity-factor 1.5 --moe-hybridep-equal-token-counts) ;;
-  blocking) ;;
-  *) echo "MODE must be capacity or blocking, not '$MODE'" >&2; exit 2 ;;
-esac
-case $PRECISION in
-  bf16 | fp16) ;;
-  *) echo "PRECISION must be bf16 or fp16, not '$PRECISION'" >&2; exit 2 ;;
-esac
-args+=("$@")
+args+=("${mode_flags[@]}" "$@")
 
 if [[ ${DRY_RUN:-0} == 1 ]]; then
   WORLD_SIZE=1 exec "$PYTHON" "$here/pretrain_moe.py" "${args[@]}" --megatron-ext-dry-run

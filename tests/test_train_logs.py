@@ -2,35 +2,43 @@
 
 from megatron_ext.tooling import train_logs
 
-HEADER = "  global_batch_size ....... 2\n  seq_length .............. 512\n"
+HEADER = "  global_batch_size ....... 2\n  seq_length .............. 512\n  world_size .............. 1\n"
 
 
-def _log(tmp_path, name, rows):
-    lines = [
+def _log(rows):
+    return HEADER + "".join(
         f" [t] iteration {i:>8}/     300 | elapsed time per iteration (ms): {ms} | lm loss: {loss} | "
-        f"load_balancing_loss: 1.1E+00 | grad norm: {norm} | hybridep_capacity_use: 0.667 |"
+        f"load_balancing_loss: 1.1E+00 | grad norm: {norm} | hybridep_capacity_use: 0.667 |\n"
         for i, ms, loss, norm in rows
-    ]
-    path = tmp_path / f"train-{name}.log"
-    path.write_text(HEADER + "\n".join(lines) + "\n")
-    return path
+    )
 
 
-def test_runs_are_compared_with_the_first_at_every_iteration(tmp_path):
+def test_logs_are_compared_with_the_first_at_every_iteration():
     rows = [(i, 20.0 + i % 3, f"1.0{i}E+01", "4.05") for i in range(1, 15)]
-    reference = _log(tmp_path, "blocking", rows)
-    same = _log(tmp_path, "graphed", [(i, 5.0, loss, norm) for i, _, loss, norm in rows])
-    drift = _log(tmp_path, "drifted", [(i, 5.0, loss if i < 12 else "9.9E+00", norm) for i, _, loss, norm in rows])
-    out = train_logs.table([train_logs.read(p) for p in (reference, same, drift)])
-    lines = out.splitlines()
-    assert lines[2].startswith("| blocking | 14 | reference | 21.5 | 47,628 | 0.667 |"), lines[2]
-    assert lines[3].startswith("| graphed | 14 | every iteration | 5.0 | 204,800 |"), lines[3]
-    assert "| drifted | 14 | no: from 12 |" in lines[4], lines[4]
+    logs = {
+        "blocking": _log(rows),
+        "graphed": _log([(i, 5.0, loss, norm) for i, _, loss, norm in rows]),
+        "drifted": _log([(i, 5.0, loss if i < 12 else "9.9E+00", norm) for i, _, loss, norm in rows]),
+    }
+    lines = train_logs.table(logs).splitlines()
+    # median of iterations 11-14: 22, 20, 21, 22 ms -> 21.5; 1024 tokens per iteration on 1 GPU
+    assert lines[2] == "| blocking | 14 | reference | 21.5 | 47,628 | 0.667 |", lines[2]
+    assert lines[3] == "| graphed | 14 | identical | 5.0 | 204,800 | 0.667 |", lines[3]
+    assert lines[4].startswith("| drifted | 14 | differs: iteration 12: lm loss 1.012E+01 against 9.9E+00 |"), lines[4]
 
 
-def test_a_run_that_stopped_early_differs_at_its_first_missing_iteration(tmp_path):
+def test_a_log_that_stopped_early_differs():
     rows = [(i, 20.0, "1.0E+01", "4.0") for i in range(1, 6)]
-    reference = train_logs.read(_log(tmp_path, "a", rows))
-    short = train_logs.read(_log(tmp_path, "b", rows[:3]))
-    assert train_logs.first_difference(short, reference) == "4 (missing)"
+    reference, short = train_logs.parse_log(_log(rows)), train_logs.parse_log(_log(rows[:3]))
+    assert train_logs.first_difference(reference, short) == "logged iterations differ: 5 against 3"
     assert train_logs.first_difference(reference, reference) is None
+
+
+def test_main_reads_files_named_by_run(tmp_path, capsys):
+    rows = [(i, 20.0, "1.0E+01", "4.0") for i in range(1, 4)]
+    for name in ("train-a", "train-b"):
+        (tmp_path / f"{name}.log").write_text(_log(rows))
+    assert train_logs.main([str(tmp_path / "train-a.log"), str(tmp_path / "train-b.log")]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[2].startswith("| a | 3 | reference |") and out[3].startswith("| b | 3 | identical |"), out
+    assert train_logs.main([]) == 2

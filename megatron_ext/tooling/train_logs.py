@@ -1,11 +1,12 @@
-"""Compare Megatron training logs run by run: per-iteration losses, grad norm, speed.
+"""Megatron training logs read and compared iteration by iteration.
 
     python -m megatron_ext.tooling.train_logs blocking.log capacity.log graphed.log
 
-Reads each log's iteration lines (`iteration N/ M | ... | lm loss: ... | grad norm: ... |`) and
-prints a markdown table: per run, the iterations logged, whether every logged value equals the
-first run's at every iteration (exactly, as printed), the first iteration that differs, the median
-time per iteration after the first 10, tokens/s from that, and the capacity-use metric's mean.
+Prints a markdown table: per log, the iterations logged, whether the lm loss, load-balancing loss
+and grad norm equal the first log's at every iteration (as printed), else the first difference,
+the median time per iteration after the first 10, tokens/s/GPU from Megatron's argument listing,
+and the mean of megatron-ext's capacity-use metric. `examples/compare_modes.py` (blocking against
+capacity mode) reads its logs with the same functions.
 """
 
 from __future__ import annotations
@@ -13,66 +14,73 @@ from __future__ import annotations
 import re
 import statistics
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
 
-_ITERATION = re.compile(r"\biteration\s+(\d+)/\s*\d+\s*\|(.*)")
-_FIELD = re.compile(r"([A-Za-z_][A-Za-z_ ()/-]*?):\s*([-+0-9.eE]+|nan|inf)\s*(?:\||$)")
-_ARG = re.compile(r"^\s*(seq_length|global_batch_size)\s*\.+\s*(\d+)", re.MULTILINE)
-COMPARED = ("lm loss", "load_balancing_loss", "grad norm")
-TIME = "elapsed time per iteration (ms)"
+COMPARED = ("lm loss", "load_balancing_loss", "grad norm")  # as printed by Megatron's training log
 CAPACITY_USE = "hybridep_capacity_use"
+SKIP_ITERS = 10
+ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|")
+FIELD = re.compile(r"\|\s*([^|:]+?):\s*([^|]+?)\s*(?=\|)")
+ARGUMENT = re.compile(r"^\s+(seq_length|global_batch_size|world_size) \.+ (\d+)\s*$", re.MULTILINE)
 
 
-@dataclass
-class Run:
-    name: str
-    values: dict[int, dict[str, str]] = field(default_factory=dict)
-    tokens_per_iteration: int | None = None
-
-
-def read(path: Path) -> Run:
-    text = path.read_text(errors="replace")
-    run = Run(path.stem.removeprefix("train-"))
-    for line in text.splitlines():
-        match = _ITERATION.search(line)
-        if match:
-            fields = {name.strip(): value for name, value in _FIELD.findall(match.group(2) + "|")}
-            run.values[int(match.group(1))] = fields
-    args = dict(_ARG.findall(text))
-    if len(args) == 2:
-        run.tokens_per_iteration = int(args["seq_length"]) * int(args["global_batch_size"])
-    return run
-
-
-def first_difference(run: Run, reference: Run) -> int | str | None:
-    """The first iteration whose compared values differ from the reference's; None when none do."""
-    for iteration in sorted(reference.values):
-        if iteration not in run.values:
-            return f"{iteration} (missing)"
-        mine, theirs = run.values[iteration], reference.values[iteration]
-        if any(mine.get(name) != theirs.get(name) for name in COMPARED if name in theirs):
-            return iteration
+def tokens_per_step_and_gpus(text: str) -> tuple[int, int] | None:
+    """(global batch x sequence length, world size) from Megatron's argument listing, if printed."""
+    found = dict((name, int(value)) for name, value in ARGUMENT.findall(text))
+    if {"seq_length", "global_batch_size", "world_size"} <= found.keys():
+        return found["seq_length"] * found["global_batch_size"], found["world_size"]
     return None
 
 
-def table(runs: list[Run]) -> str:
-    reference = runs[0]
+def parse_log(text: str) -> dict[int, dict[str, str]]:
+    """{iteration: {field: value as printed}} from Megatron's per-iteration log lines."""
+    iterations = {}
+    for line in text.splitlines():
+        found = ITERATION.search(line)
+        if found:
+            fields = {name.strip(): value for name, value in FIELD.findall(line[found.start() :])}
+            iterations[int(found.group(1))] = fields
+    return iterations
+
+
+def step_ms(iterations: dict[int, dict[str, str]], skip: int) -> list[float]:
+    """Megatron's elapsed time per iteration (ms), for the iterations after `skip`."""
+    key = "elapsed time per iteration (ms)"
+    return [float(f[key]) for i, f in sorted(iterations.items()) if i > skip and key in f]
+
+
+def first_difference(reference: dict, other: dict) -> str | None:
+    """The first logged iteration and value (of `COMPARED`) where `other` differs; None if none."""
+    if sorted(reference) != sorted(other):
+        return f"logged iterations differ: {len(reference)} against {len(other)}"
+    for iteration in sorted(reference):
+        for name in COMPARED:
+            a, b = reference[iteration].get(name), other[iteration].get(name)
+            if a != b:
+                return f"iteration {iteration}: {name} {a} against {b}"
+    return None
+
+
+def table(logs: dict[str, str]) -> str:
+    """The markdown table of `logs` ({name: log text}), each compared with the first."""
+    parsed = {name: parse_log(text) for name, text in logs.items()}
+    reference_name, reference = next(iter(parsed.items()))
     lines = [
-        f"| run | iterations | {', '.join(COMPARED)} equal to {reference.name} | ms/iteration (median after 10) "
-        f"| tokens/s | {CAPACITY_USE} (mean) |",
+        f"| run | iterations | {', '.join(COMPARED)} against {reference_name} | ms/iteration (median after "
+        f"{SKIP_ITERS}) | tokens/s/GPU | {CAPACITY_USE} (mean) |",
         "| --- | --- | --- | --- | --- | --- |",
     ]
-    for run in runs:
-        times = [float(v[TIME]) for i, v in sorted(run.values.items()) if i > 10 and TIME in v]
+    for name, iterations in parsed.items():
+        times = step_ms(iterations, SKIP_ITERS)
         ms = statistics.median(times) if times else None
-        rate = run.tokens_per_iteration / ms * 1e3 if ms and run.tokens_per_iteration else None
-        use = [float(v[CAPACITY_USE]) for v in run.values.values() if CAPACITY_USE in v]
-        differs = first_difference(run, reference)
-        same = "reference" if run is reference else ("every iteration" if differs is None else f"no: from {differs}")
+        shape = tokens_per_step_and_gpus(logs[name])
+        rate = f"{shape[0] / (ms / 1e3) / shape[1]:,.0f}" if ms and shape else "-"
+        use = [float(v[CAPACITY_USE]) for v in iterations.values() if CAPACITY_USE in v]
+        diff = first_difference(reference, iterations)
+        same = "reference" if name == reference_name else ("identical" if diff is None else f"differs: {diff}")
         lines.append(
-            f"| {run.name} | {len(run.values)} | {same} | {'-' if ms is None else f'{ms:.1f}'} "
-            f"| {'-' if rate is None else f'{rate:,.0f}'} | {'-' if not use else f'{statistics.mean(use):.3f}'} |"
+            f"| {name} | {len(iterations)} | {same} | {'-' if ms is None else f'{ms:.1f}'} | {rate} "
+            f"| {'-' if not use else f'{statistics.mean(use):.3f}'} |"
         )
     return "\n".join(lines)
 
@@ -80,9 +88,9 @@ def table(runs: list[Run]) -> str:
 def main(argv: list[str] | None = None) -> int:
     paths = [Path(p) for p in (sys.argv[1:] if argv is None else argv)]
     if not paths:
-        print(__doc__.strip().splitlines()[2].strip(), file=sys.stderr)
+        print("usage: python -m megatron_ext.tooling.train_logs LOG [LOG ...]", file=sys.stderr)
         return 2
-    print(table([read(p) for p in paths]))
+    print(table({p.stem.removeprefix("train-"): p.read_text(errors="replace") for p in paths}))
     return 0
 
 
