@@ -85,6 +85,11 @@ def copy_weights(source, target) -> None:
     assert not unexpected and not [k for k in missing if not k.endswith("_extra_state")], (missing, unexpected)
 
 
+def loss_weights(out: torch.Tensor) -> torch.Tensor:
+    """The weights of `run_steps`' loss, sum(out x weights): -1 to 1 across the output, in its dtype."""
+    return torch.linspace(-1.0, 1.0, out.numel(), dtype=out.dtype, device=out.device).view_as(out)
+
+
 def run_steps(layer, inputs, wrap=None):
     """Forward + backward per input; returns [(output, input grad, {param: grad})] per step.
 
@@ -95,8 +100,7 @@ def run_steps(layer, inputs, wrap=None):
         x = x.clone().requires_grad_(True)
         layer.zero_grad(set_to_none=True)
         out = wrap(layer, x) if wrap is not None else layer(x)[0]
-        weights = torch.linspace(-1.0, 1.0, out.numel(), dtype=out.dtype, device=out.device).view_as(out)
-        (out * weights).sum().backward()
+        (out * loss_weights(out)).sum().backward()
         grads = {n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None}
         results.append((out.detach().clone(), x.grad.clone(), grads))
     return results

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from megatron_ext.options import deep_ep_import_error
-from tests.megatron_env import FLEX, copy_weights, make_config, moe_layer, run_steps, step_inputs
+from tests.megatron_env import FLEX, copy_weights, loss_weights, make_config, moe_layer, run_steps, step_inputs
 
 pytestmark = pytest.mark.gpu
 
@@ -43,10 +43,6 @@ def _needs(implementation: str) -> None:
         pytest.skip(f"deep_ep does not import: {deep_ep_import_error()}")
 
 
-def _loss_weights(out: torch.Tensor) -> torch.Tensor:
-    return torch.linspace(-1.0, 1.0, out.numel(), dtype=out.dtype, device=out.device).view_as(out)
-
-
 class Captured:
     """A layer's forward and backward in one CUDA graph, after PyTorch's whole-network recipe."""
 
@@ -66,7 +62,7 @@ class Captured:
         self.layer.zero_grad(set_to_none=True)
         self.x.grad = None  # made afresh by each step's backward, not accumulated
         out = self.layer(self.x)[0]
-        (out * _loss_weights(out)).sum().backward()
+        (out * loss_weights(out)).sum().backward()
         return out
 
     def __call__(self, x: torch.Tensor):
@@ -126,7 +122,7 @@ def _schedule(*, model, data_iterator, num_microbatches, forward_only=False, **_
     for _ in range(num_microbatches):
         x = next(data_iterator)["x"].detach().requires_grad_(True)
         out = layer(x)[0]
-        loss = (out * _loss_weights(out)).sum()
+        loss = (out * loss_weights(out)).sum()
         loss.backward()
         losses.append(loss.detach())
     return losses
