@@ -29,30 +29,20 @@ here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 # The checkout's environment (.ci/setup) where there is one, as the README's setup line makes it.
 [ -x "$here/../.venv/bin/python" ] && default_python=$here/../.venv/bin/python || default_python=python
 PYTHON=${PYTHON:-$default_python}
-source "$here/modes.sh"  # MODE, PRECISION -> mode_flags
+source "$here/modes.sh"  # MODE, PRECISION -> mode_flags; common_flags
 GPUS=${GPUS:-8}
 
 args=(
-  --transformer-impl local
-  # Without apex or Megatron's CUDA extensions: the fused wgrad accumulation and masked softmax
-  # kernels are missing, and torch's norm refuses the persistent layer norm.
-  --no-gradient-accumulation-fusion --no-masked-softmax-fusion --no-persist-layer-norm
+  "${common_flags[@]}"
   --num-layers 16 --hidden-size 2048 --num-attention-heads 16 --ffn-hidden-size 8192
   --seq-length 4096 --max-position-embeddings 4096
-  --position-embedding-type rope --no-rope-fusion --normalization RMSNorm --swiglu
-  --disable-bias-linear --untie-embeddings-and-output-weights
-  --attention-dropout 0 --hidden-dropout 0
-  --num-experts 64 --moe-router-topk 8 --moe-ffn-hidden-size 1024 --moe-grouped-gemm
-  --moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 1e-3
+  --num-experts 64 --moe-router-topk 8 --moe-ffn-hidden-size 1024 --moe-aux-loss-coeff 1e-3
   --expert-model-parallel-size "$GPUS"
-  --moe-token-dispatcher-type flex --moe-flex-dispatcher-backend hybridep
-  --moe-hybridep-reuse-allgather-buffer
   --micro-batch-size 1 --global-batch-size $((GPUS * 4))
   --use-distributed-optimizer
   "--$PRECISION" --lr 3e-4 --min-lr 3e-5 --lr-warmup-iters 10 --lr-decay-style cosine --seed 1234
   # No evaluation; megatron-core 0.19.2 still divides by --eval-interval, which has no default.
   --train-iters 50 --eval-iters 0 --eval-interval 50 --log-interval 1
-  --mock-data --tokenizer-type NullTokenizer --vocab-size 32000
 )
 args+=("${mode_flags[@]}" "$@")
 

@@ -4,6 +4,8 @@
 #     capacity (default): --moe-hybridep-capacity-factor 1.5 --moe-hybridep-equal-token-counts
 #     blocking: nothing (Megatron's blocking dispatch, the same run otherwise)
 #   PRECISION: bf16 (default) or fp16; a script passes --$PRECISION.
+#   common_flags: the flags of both modes that every launch script passes; a script adds its
+#     model's sizes and experts, its parallelism, batch, precision, schedule and iterations.
 MODE=${MODE:-capacity}
 PRECISION=${PRECISION:-bf16}
 case $MODE in
@@ -15,3 +17,16 @@ case $PRECISION in
   bf16 | fp16) ;;
   *) echo "PRECISION must be bf16 or fp16, not '$PRECISION'" >&2; exit 2 ;;
 esac
+common_flags=(
+  --transformer-impl local
+  # Without apex or Megatron's CUDA extensions: the fused wgrad accumulation and masked softmax
+  # kernels are missing, and torch's norm refuses the persistent layer norm.
+  --no-gradient-accumulation-fusion --no-masked-softmax-fusion --no-persist-layer-norm
+  --position-embedding-type rope --no-rope-fusion --normalization RMSNorm --swiglu
+  --disable-bias-linear --untie-embeddings-and-output-weights
+  --attention-dropout 0 --hidden-dropout 0
+  --moe-grouped-gemm --moe-router-load-balancing-type aux_loss
+  --moe-token-dispatcher-type flex --moe-flex-dispatcher-backend hybridep
+  --moe-hybridep-reuse-allgather-buffer
+  --mock-data --tokenizer-type NullTokenizer --vocab-size 32000
+)

@@ -4,8 +4,9 @@
 #
 # Needs: one CUDA GPU (bf16; grouped GEMMs want compute capability >= 8.0), torch and
 # megatron-core 0.19.x, megatron-ext installed (pip install -e .). Needs neither Transformer
-# Engine nor apex: `--transformer-impl local` and the three `--no-...` flags below turn off what
-# would need them. deep_ep is optional (the dispatch runs on megatron-ext's torch buffer without it).
+# Engine nor apex: `--transformer-impl local` and the three `--no-...` flags (common_flags, in
+# modes.sh) turn off what would need them. deep_ep is optional (the dispatch runs on megatron-ext's
+# torch buffer without it).
 #
 # megatron-ext flags, on Megatron's HybridEP flex dispatcher:
 #   --moe-hybridep-capacity-factor 1.5      capacity mode: after a calibration dispatch per layer,
@@ -27,27 +28,17 @@ here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 # The checkout's environment (.ci/setup) where there is one, as the README's setup line makes it.
 [ -x "$here/../.venv/bin/python" ] && default_python=$here/../.venv/bin/python || default_python=python
 PYTHON=${PYTHON:-$default_python}
-source "$here/modes.sh"  # MODE, PRECISION -> mode_flags
+source "$here/modes.sh"  # MODE, PRECISION -> mode_flags; common_flags
 
 args=(
-  --transformer-impl local
-  # Without apex or Megatron's CUDA extensions: the fused wgrad accumulation and masked softmax
-  # kernels are missing, and torch's norm refuses the persistent layer norm.
-  --no-gradient-accumulation-fusion --no-masked-softmax-fusion --no-persist-layer-norm
+  "${common_flags[@]}"
   --num-layers 4 --hidden-size 512 --num-attention-heads 8 --ffn-hidden-size 2048
   --seq-length 512 --max-position-embeddings 512
-  --position-embedding-type rope --no-rope-fusion --normalization RMSNorm --swiglu
-  --disable-bias-linear --untie-embeddings-and-output-weights
-  --attention-dropout 0 --hidden-dropout 0
-  --num-experts 8 --moe-router-topk 2 --moe-ffn-hidden-size 1024 --moe-grouped-gemm
-  --moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 1e-2
-  --moe-token-dispatcher-type flex --moe-flex-dispatcher-backend hybridep
-  --moe-hybridep-reuse-allgather-buffer
+  --num-experts 8 --moe-router-topk 2 --moe-ffn-hidden-size 1024 --moe-aux-loss-coeff 1e-2
   --micro-batch-size 2 --global-batch-size 2
   "--$PRECISION" --lr 1e-4 --lr-decay-style constant --seed 1234
   # No evaluation; megatron-core 0.19.2 still divides by --eval-interval, which has no default.
   --train-iters 10 --eval-iters 0 --eval-interval 10 --log-interval 1
-  --mock-data --tokenizer-type NullTokenizer --vocab-size 32000
 )
 args+=("${mode_flags[@]}" "$@")
 

@@ -142,82 +142,50 @@ if triton is not None:
     def _activation_probs_kernel(
         h_ptr,
         probs_ptr,
+        n_ptr,
         out_ptr,
-        n_ptr,
-        F: tl.constexpr,
-        GATED: tl.constexpr,
-        ACT: tl.constexpr,
-        BLOCK_R: tl.constexpr,
-        BLOCK_F: tl.constexpr,
-        PROGRAMS: tl.constexpr,
-    ):
-        # h: [C, 2F] (gated: gate then linear) or [C, F]; out: [C, F]; rows < n only.
-        n = tl.load(n_ptr)
-        if GATED:
-            h_width = 2 * F
-        else:
-            h_width = F
-        block = tl.program_id(0)
-        while block * BLOCK_R < n:
-            rows = block * BLOCK_R + tl.arange(0, BLOCK_R)
-            live = rows < n
-            p = tl.load(probs_ptr + rows, mask=live, other=0.0)
-            for start in range(0, F, BLOCK_F):
-                cols = start + tl.arange(0, BLOCK_F)
-                mask = live[:, None] & (cols < F)[None, :]
-                at = rows[:, None].to(tl.int64) * h_width + cols[None, :]
-                x = tl.load(h_ptr + at, mask=mask, other=0.0).to(tl.float32)
-                act = _activate(x, ACT)
-                if GATED:
-                    act = act * tl.load(h_ptr + at + F, mask=mask, other=0.0).to(tl.float32)
-                out_at = rows[:, None].to(tl.int64) * F + cols[None, :]
-                tl.store(out_ptr + out_at, (act * p[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
-            block += PROGRAMS
-
-    @triton.jit
-    def _activation_probs_backward_kernel(
         grad_ptr,
-        h_ptr,
-        probs_ptr,
-        grad_h_ptr,
         grad_probs_ptr,
-        n_ptr,
         F: tl.constexpr,
         GATED: tl.constexpr,
         ACT: tl.constexpr,
+        BACKWARD: tl.constexpr,
         BLOCK_R: tl.constexpr,
         BLOCK_F: tl.constexpr,
         PROGRAMS: tl.constexpr,
     ):
+        # h: [C, 2F] (gated: gate then linear) or [C, F]; rows < n only. Forward: out [C, F] =
+        # act(h) * probs. BACKWARD: from grad [C, F], out: grad_h (h's shape), and grad_probs [C].
         n = tl.load(n_ptr)
-        if GATED:
-            h_width = 2 * F
-        else:
-            h_width = F
+        h_width = 2 * F if GATED else F
         block = tl.program_id(0)
         while block * BLOCK_R < n:
             rows = block * BLOCK_R + tl.arange(0, BLOCK_R)
             live = rows < n
             p = tl.load(probs_ptr + rows, mask=live, other=0.0)[:, None]
-            dot = tl.zeros((BLOCK_R,), dtype=tl.float32)
+            dot = tl.zeros((BLOCK_R,), dtype=tl.float32)  # backward: sum over F of grad * act * linear
             for start in range(0, F, BLOCK_F):
                 cols = start + tl.arange(0, BLOCK_F)
                 mask = live[:, None] & (cols < F)[None, :]
-                g_at = rows[:, None].to(tl.int64) * F + cols[None, :]
+                f_at = rows[:, None].to(tl.int64) * F + cols[None, :]
                 h_at = rows[:, None].to(tl.int64) * h_width + cols[None, :]
-                grad = tl.load(grad_ptr + g_at, mask=mask, other=0.0).to(tl.float32)
                 x = tl.load(h_ptr + h_at, mask=mask, other=0.0).to(tl.float32)
                 act = _activate(x, ACT)
-                d_act = _activate_grad(x, ACT)
                 if GATED:
                     linear = tl.load(h_ptr + h_at + F, mask=mask, other=0.0).to(tl.float32)
-                    dot += tl.sum(grad * act * linear, axis=1)
-                    tl.store(grad_h_ptr + h_at, (grad * p * linear * d_act).to(grad_h_ptr.dtype.element_ty), mask=mask)
-                    tl.store(grad_h_ptr + h_at + F, (grad * p * act).to(grad_h_ptr.dtype.element_ty), mask=mask)
                 else:
-                    dot += tl.sum(grad * act, axis=1)
-                    tl.store(grad_h_ptr + h_at, (grad * p * d_act).to(grad_h_ptr.dtype.element_ty), mask=mask)
-            tl.store(grad_probs_ptr + rows, dot, mask=live)
+                    linear = 1.0
+                if BACKWARD:
+                    grad = tl.load(grad_ptr + f_at, mask=mask, other=0.0).to(tl.float32)
+                    dot += tl.sum(grad * act * linear, axis=1)
+                    grad_x = grad * p * linear * _activate_grad(x, ACT)
+                    tl.store(out_ptr + h_at, grad_x.to(out_ptr.dtype.element_ty), mask=mask)
+                    if GATED:
+                        tl.store(out_ptr + h_at + F, (grad * p * act).to(out_ptr.dtype.element_ty), mask=mask)
+                else:
+                    tl.store(out_ptr + f_at, (act * linear * p).to(out_ptr.dtype.element_ty), mask=mask)
+            if BACKWARD:
+                tl.store(grad_probs_ptr + rows, dot, mask=live)
             block += PROGRAMS
 
     @triton.jit
@@ -428,15 +396,9 @@ def activation_probs(h: torch.Tensor, probs: torch.Tensor, n: torch.Tensor, *, g
     """
     _check_count(n, h.device)
     rows, width = h.shape
-    F = width // 2 if gated else width
     h, probs = h.contiguous(), probs.contiguous()
-    out = torch.empty(rows, F, dtype=h.dtype, device=h.device)
-    block_f = _pow2(F, 1024)
-    block_r = max(1, 2048 // block_f)
-    programs = _grid(h, _cdiv(rows, block_r))
-    _activation_probs_kernel[(programs,)](
-        h, probs, out, n, F, GATED=gated, ACT=activation, BLOCK_R=block_r, BLOCK_F=block_f, PROGRAMS=programs
-    )
+    out = torch.empty(rows, width // 2 if gated else width, dtype=h.dtype, device=h.device)
+    _activation(h, probs, n, out, gated, activation)
     return out
 
 
@@ -450,29 +412,38 @@ def activation_probs_backward(
           grad_probs [C] float32, zero at rows >= n)`.
     """
     _check_count(n, h.device)
-    rows, width = h.shape
-    F = width // 2 if gated else width
     grad, h, probs = grad.contiguous(), h.contiguous(), probs.contiguous()
     grad_h = torch.empty_like(h)
-    grad_probs = torch.zeros(rows, dtype=torch.float32, device=h.device)
-    block_f = _pow2(F, 512)
-    block_r = max(1, 1024 // block_f)
+    grad_probs = torch.zeros(h.shape[0], dtype=torch.float32, device=h.device)
+    _activation(h, probs, n, grad_h, gated, activation, backward=(grad, grad_probs))
+    return grad_h, grad_probs
+
+
+def _activation(h, probs, n, out, gated, activation, backward=None):
+    """Launch `_activation_probs_kernel`: the forward into `out`, or, given `backward` (grad,
+    grad_probs), the gradients (grad_h into `out`), in blocks half the size."""
+    rows, width = h.shape
+    F = width // 2 if gated else width
+    grad, grad_probs = backward if backward is not None else (out, probs)  # not read forward
+    block_cap = 1024 if backward is None else 512
+    block_f = _pow2(F, block_cap)
+    block_r = max(1, 2 * block_cap // block_f)
     programs = _grid(h, _cdiv(rows, block_r))
-    _activation_probs_backward_kernel[(programs,)](
-        grad,
+    _activation_probs_kernel[(programs,)](
         h,
         probs,
-        grad_h,
-        grad_probs,
         n,
+        out,
+        grad,
+        grad_probs,
         F,
         GATED=gated,
         ACT=activation,
+        BACKWARD=backward is not None,
         BLOCK_R=block_r,
         BLOCK_F=block_f,
         PROGRAMS=programs,
     )
-    return grad_h, grad_probs
 
 
 def gather_rows(

@@ -25,7 +25,6 @@ pytestmark = pytest.mark.skipif(
 
 KERNELS = (
     "_activation_probs_kernel",
-    "_activation_probs_backward_kernel",
     "_gather_rows_kernel",
     "_block_counts_kernel",
     "_layout_kernel",

@@ -14,20 +14,26 @@ from typing import Optional
 
 import torch
 
-from megatron_ext.hybridep.protocol import Handle, HybridEPBuffer
+from megatron_ext.hybridep.protocol import DispatchOutput, Handle, HybridEPBuffer
+
+
+def dispatch_with_capacity(buffer: HybridEPBuffer, capacity: Optional[int], **inputs) -> DispatchOutput:
+    """`buffer.dispatch_with_permute(**inputs)` (not differentiable): non-blocking into `capacity`
+    rows, or, when `capacity` is None, blocking and sized to the rows it produces."""
+    return buffer.dispatch_with_permute(num_permuted_tokens=capacity, non_blocking=capacity is not None, **inputs)
 
 
 class _Dispatch(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, probs, buffer: HybridEPBuffer, routing_map, num_local_experts, capacity, pad_multiple):
-        rows, row_probs, _, tokens_per_expert, handle = buffer.dispatch_with_permute(
+        rows, row_probs, _, tokens_per_expert, handle = dispatch_with_capacity(
+            buffer,
+            capacity,
             hidden=hidden,
             routing_map=routing_map,
             probs=probs,
             num_of_experts_per_rank=num_local_experts,
-            num_permuted_tokens=capacity,
             pad_multiple=pad_multiple,
-            non_blocking=capacity is not None,
         )
         ctx.buffer, ctx.handle, ctx.pad_multiple = buffer, handle, pad_multiple
         ctx.rows_shape, ctx.rows_dtype = rows.shape, rows.dtype

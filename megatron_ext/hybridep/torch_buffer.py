@@ -116,13 +116,6 @@ def _handle(
     )
 
 
-def _fused_handle(layout: fused.Layout, **parts) -> HybridEPHandle:
-    """`_handle` of a layout the fused kernels made (`fused.dispatch_layout`)."""
-    return _handle(
-        (layout.row_slot, layout.row_code), (layout.overflow, layout.tokens_per_expert, layout.real_rows), **parts
-    )
-
-
 class _SendPlan(NamedTuple):
     """A dispatch's exact send plan, made on the device (`TorchHybridEPBuffer._send_plan`)."""
 
@@ -582,52 +575,45 @@ class TorchHybridEPBuffer:
         W = self.world_size
         num_tokens = routing_map.shape[0]
         counts = fused.block_counts(local_map)
+        send = exact_counts = None  # plans that send exact rows: what to send and (non-blocking) its counts
         if exact:
             # Exact rows, their counts on the device: the blocking plan, with W x T receive slots
             # (the most there can be) instead of the count read on the host.
             plan = self._send_plan(routing_map, local_map)
+            num_slots = W * num_tokens
             layout = fused.dispatch_layout(
-                local_map, counts, capacity, pad_multiple, W * num_tokens, plan.slot_of_token, spare_slots=True
+                local_map, counts, capacity, pad_multiple, num_slots, plan.slot_of_token, spare_slots=True
             )
-            return _fused_handle(
-                layout,
-                num_slots=W * num_tokens,
-                num_tokens=num_tokens,
-                capacity=capacity,
-                pad_multiple=pad_multiple,
-                tables=(layout.slot_rows, plan.token_rows),
-                send=(plan.pairs[:, 1], plan.pairs[:, 0], None, None),
-                exact=(plan.send_counts, plan.recv_counts),
-            )
-        if non_blocking:
-            layout = fused.dispatch_layout(local_map, counts, capacity, pad_multiple, W * num_tokens)
-            return _fused_handle(
-                layout,
-                num_slots=W * num_tokens,
-                num_tokens=num_tokens,
-                capacity=capacity,
-                pad_multiple=pad_multiple,
-                tables=(layout.slot_rows, self._returned_rows(num_tokens, routing_map.device)),
-            )
-
-        # Blocking. Whatever the host read does not size is launched before it, so that once the
-        # counts arrive (the GPU idle by then) only the layout and the moves are left to launch.
-        plan = self._send_plan(routing_map, local_map)
-        padded_total = round_up(counts.sum(dim=0, dtype=torch.int64), pad_multiple).sum().reshape(1)
-        host = torch.cat([plan.send_counts, plan.recv_counts, padded_total]).tolist()
-        send_splits, recv_splits = tuple(host[:W]), tuple(host[W : 2 * W])
-        if capacity is None:  # as in `_plan`: a given capacity truncates and flags
-            capacity = host[2 * W]
-        num_slots, num_sent = sum(recv_splits), sum(send_splits)
-        layout = fused.dispatch_layout(local_map, counts, capacity, pad_multiple, num_slots, plan.slot_of_token)
-        return _fused_handle(
-            layout,
+            token_rows = plan.token_rows
+            send = (plan.pairs[:, 1], plan.pairs[:, 0], None, None)
+            exact_counts = (plan.send_counts, plan.recv_counts)
+        elif non_blocking:
+            num_slots = W * num_tokens
+            layout = fused.dispatch_layout(local_map, counts, capacity, pad_multiple, num_slots)
+            token_rows = self._returned_rows(num_tokens, routing_map.device)
+        else:
+            # Blocking. Whatever the host read does not size is launched before it, so that once the
+            # counts arrive (the GPU idle by then) only the layout and the moves are left to launch.
+            plan = self._send_plan(routing_map, local_map)
+            padded_total = round_up(counts.sum(dim=0, dtype=torch.int64), pad_multiple).sum().reshape(1)
+            host = torch.cat([plan.send_counts, plan.recv_counts, padded_total]).tolist()
+            send_splits, recv_splits = tuple(host[:W]), tuple(host[W : 2 * W])
+            if capacity is None:  # as in `_plan`: a given capacity truncates and flags
+                capacity = host[2 * W]
+            num_slots, num_sent = sum(recv_splits), sum(send_splits)
+            layout = fused.dispatch_layout(local_map, counts, capacity, pad_multiple, num_slots, plan.slot_of_token)
+            token_rows = plan.token_rows
+            send = (plan.pairs[:num_sent, 1], plan.pairs[:num_sent, 0], send_splits, recv_splits)
+        return _handle(
+            (layout.row_slot, layout.row_code),
+            (layout.overflow, layout.tokens_per_expert, layout.real_rows),
             num_slots=num_slots,
             num_tokens=num_tokens,
             capacity=capacity,
             pad_multiple=pad_multiple,
-            tables=(layout.slot_rows, plan.token_rows),
-            send=(plan.pairs[:num_sent, 1], plan.pairs[:num_sent, 0], send_splits, recv_splits),
+            tables=(layout.slot_rows, token_rows),
+            send=send,
+            exact=exact_counts,
         )
 
     def _send_plan(self, routing_map, local_map) -> _SendPlan:

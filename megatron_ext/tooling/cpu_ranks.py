@@ -21,35 +21,19 @@ import contextlib
 import torch
 
 
+def _nothing(*args, **kwargs) -> None:
+    """A CPU rank's stream and event calls: nothing to record, wait for or synchronise."""
+
+
 class _Event:
-    def __init__(self, *args, **kwargs):
-        pass
-
-    def record(self, *args):
-        pass
-
-    def wait(self, *args):
-        pass
-
-    def synchronize(self):
-        pass
+    __init__ = record = wait = synchronize = _nothing
 
 
 class _Stream:
-    def __init__(self, *args, **kwargs):
-        pass
-
-    def wait_stream(self, *args):
-        pass
-
-    def wait_event(self, *args):
-        pass
+    __init__ = wait_stream = wait_event = synchronize = _nothing
 
     def record_event(self, *args, **kwargs):
         return _Event()
-
-    def synchronize(self):
-        pass
 
 
 def _to_host(tensor, as_numpy=False, record_stream=False):

@@ -30,6 +30,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from megatron_ext.hybridep.autograd import dispatch_with_capacity
 from megatron_ext.options import TRANSPORTS, capacity_factor_argument
 from megatron_ext.tooling.ranks import run_on_ranks, this_rank, under_torchrun
 
@@ -125,13 +126,8 @@ def _dispatcher(buf, x, routing, probs, pad_multiple):
     """`dispatch(capacity=None)`: `buf`'s dispatch of these inputs, blocking without a capacity."""
 
     def dispatch(capacity=None):
-        return buf.dispatch_with_permute(
-            hidden=x,
-            routing_map=routing,
-            probs=probs,
-            pad_multiple=pad_multiple,
-            num_permuted_tokens=capacity,
-            non_blocking=capacity is not None,
+        return dispatch_with_capacity(
+            buf, capacity, hidden=x, routing_map=routing, probs=probs, pad_multiple=pad_multiple
         )
 
     return dispatch
