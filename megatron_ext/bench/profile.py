@@ -7,7 +7,9 @@ warm-up steps (the first calibrates capacity mode):
 * `torch.profiler` over `--steps` steps: GPU time per kernel name, per step;
 * `torch.cuda.memory._record_memory_history` over one step: the allocations alive at the step's
   peak, grouped by the line of megatron-ext or Megatron that made them, and the snapshot itself
-  (`memory-MODE.pickle.gz`; gunzip it for https://pytorch.org/memory_viz).
+  (`memory-MODE.pickle.gz`, `+` in MODE as `_`; gunzip it for https://pytorch.org/memory_viz). A `+graph` mode's
+  memory is recorded over its capture (what the graph's pool holds for a step); its kernels are
+  its eager twin's, so it has no kernel table here (the bench's GPU ms column times its replay).
 Then the kernels whose time differs most between the first mode and each other one.
 """
 
@@ -117,11 +119,12 @@ def memory_at_peak(snapshot: dict) -> tuple[int, dict[str, int]]:
     return peak, dict(by_origin)
 
 
-def record_memory(stack, x, weights, path: str) -> dict:
+def record_memory(step, path: str) -> dict:
+    """The allocator's trace over `step()`, also written to `path` (gzipped pickle)."""
     torch.cuda.synchronize()
     torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
     try:
-        _step(stack, x, weights)
+        step()
         torch.cuda.synchronize()
         snapshot = torch.cuda.memory._snapshot()
     finally:
@@ -161,26 +164,33 @@ def main(argv=None) -> int:
         weights = torch.linspace(-1.0, 1.0, x.numel(), device=device).view(x.shape)
         say(f"{torch.cuda.get_device_name()}: {sizes}")
         for mode in modes:
-            if mode.graph:  # this tool steps eagerly; a replay runs its eager twin's kernels
-                say(f"\n## {mode.name}: not profiled here (the bench's GPU ms column times its replay)")
-                continue
             torch.manual_seed(args.seed)
             try:
                 stack = MoEStack(megatron_config(sizes, 1, device, mode), args.layers, mode.experts).to(device)
+                step = functools.partial(_step, stack, x, weights)
                 for _ in range(args.warmup):
-                    _step(stack, x, weights)
-                times[mode.name] = kernel_times(functools.partial(_step, stack, x, weights), args.steps)
-                snapshot = record_memory(stack, x, weights, os.path.join(args.out, f"memory-{mode.name}.pickle.gz"))
+                    step()
+                if mode.graph:
+                    from megatron_ext.bench.graphed import GraphedStep
+
+                    step = functools.partial(GraphedStep, stack, x, weights)  # the capture
+                else:
+                    times[mode.name] = kernel_times(step, args.steps)
+                snapshot_file = f"memory-{mode.name.replace('+', '_')}.pickle.gz"
+                snapshot = record_memory(step, os.path.join(args.out, snapshot_file))
             except Exception as exc:  # a mode that cannot run here (deep_ep, TE) is reported, not fatal
                 say(f"\n## {mode.name}: not profiled: {type(exc).__name__}: {exc}")
                 continue
             finally:
-                stack = None
+                stack = step = None
                 torch.cuda.empty_cache()
-            total = sum(times[mode.name].values())
-            say(f"\n## {mode.name}: {total:.2f} ms of GPU operations per step")
-            for name, ms in sorted(times[mode.name].items(), key=lambda kv: -kv[1])[: args.top]:
-                say(f"{ms:9.3f} ms  {ms / total:6.1%}  {name[:110]}")
+            if mode.graph:
+                say(f"\n## {mode.name}: memory of its capture (its kernels are those of its eager twin)")
+            else:
+                total = sum(times[mode.name].values())
+                say(f"\n## {mode.name}: {total:.2f} ms of GPU operations per step")
+                for name, ms in sorted(times[mode.name].items(), key=lambda kv: -kv[1])[: args.top]:
+                    say(f"{ms:9.3f} ms  {ms / total:6.1%}  {name[:110]}")
             peak, by_origin = memory_at_peak(snapshot)
             say(f"allocated during the step, alive at its peak: {_mib(peak)}")
             for origin, size in sorted(by_origin.items(), key=lambda kv: -kv[1])[: args.top]:
