@@ -52,8 +52,10 @@ class GraphedStep:
         resting = torch.cuda.memory_allocated()
         self.graph = torch.cuda.CUDAGraph()
         # thread_local, as Megatron's graphs: a CUDA call from another thread (NCCL's watchdog
-        # querying its events) must not invalidate this thread's capture.
-        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
+        # querying its events) must not invalidate this thread's capture. Captured on the warm-up's
+        # stream: cuBLAS keeps a workspace per stream and thread (32 MiB each on Hopper, one for the
+        # forward's thread and one for autograd's), so a fresh capture stream would add two.
+        with torch.cuda.graph(self.graph, stream=side, capture_error_mode="thread_local"):
             self.out_static = self._forward_backward().detach()  # kept without its autograd node
         torch.cuda.synchronize()
         # What the graph's pool holds for a step: its activations, gradients and transients.
