@@ -256,13 +256,16 @@ def _check_graphs(config: Any, options: HybridEPOptions) -> None:
             f"{where} with {CAPACITY_FACTOR_FLAG}: --cuda-graph-warmup-steps 0 would capture the first step, whose "
             "calibration dispatch is blocking (it reads the host); use --cuda-graph-warmup-steps 1 or more."
         )
-    if impl in PER_LAYER_GRAPHS and options.overflow_policy == "rerun":
+    if impl == "transformer_engine" and options.overflow_policy == "rerun":
+        # Transformer Engine's graphs are made once, at the end of the warm-up steps, by a helper
+        # of Megatron's training loop that megatron-ext cannot call again after a capacity grows.
         raise HybridEPConfigError(
             f"{where} with {CAPACITY_FACTOR_FLAG}: {flag(CONFIG_PREFIX + 'overflow_policy')} rerun re-runs an "
-            "overflowed step eagerly with blocking dispatches, which per-layer graphs of the MoE dispatch cannot "
-            "give up for one step. Use --cuda-graph-impl full_iteration (re-run and re-capture supported), or "
-            f"{flag(CONFIG_PREFIX + 'overflow_policy')} fail (an overflow stops the job at the device assert inside "
-            "the graph), or graph only --cuda-graph-modules moe_router moe_preprocess (the dispatch stays eager)."
+            "overflowed step eagerly with blocking dispatches and captures again at the new capacity, which "
+            "Transformer Engine's per-layer graphs cannot do in Megatron's loop. Use --cuda-graph-impl local or "
+            f"full_iteration (re-run and re-capture supported), or {flag(CONFIG_PREFIX + 'overflow_policy')} fail "
+            "(an overflow stops the job at the device assert inside the graph), or graph only --cuda-graph-modules "
+            "moe_router moe_preprocess (the dispatch stays eager)."
         )
 
 

@@ -22,6 +22,15 @@
 Outside Megatron's training loop nothing wraps the step, and an overflow stops on the device as
 before (`--moe-hybridep-overflow-policy fail` keeps that inside the loop too).
 
+With per-layer graphs (`--cuda-graph-impl local`, of the whole layer or `--cuda-graph-modules
+moe`), Megatron's schedule records each graphed module's first pass and captures them all at the
+step's end (`create_cudagraphs`); a later step replays them. An overflow's re-run deletes the
+graphs first (`delete_cuda_graphs`: the modules run eagerly again, recording), runs with blocking
+dispatches while the schedule's capture is skipped (`capture_paused`: a blocking dispatch cannot
+be captured), and deletes what it recorded: the next step records at the new capacities, eagerly
+(compiling kernels for their sizes), and captures at its end. A capacity grown for thin headroom
+deletes the graphs the same way.
+
 With `--cuda-graph-impl full_iteration`, Megatron wraps the step function in its
 `FullCudaGraphWrapper`, which would put this policy's host read inside the captured graph.
 `full_iteration_graph` (installed by `megatron_ext.patches` in its place) turns the two inside
@@ -34,8 +43,9 @@ is captured again.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Optional
 
 import torch
@@ -68,16 +78,68 @@ def capacity_metrics_on() -> bool:
     return _capacity_metrics
 
 
-def _policy(model: Any) -> Optional[str]:
-    """The overflow policy when capacity mode is on, else None (the config is the same on every
-    rank, so every rank decides alike)."""
+def _config(model: Any) -> Any:
     from megatron.core.utils import get_model_config
 
     chunks = model if isinstance(model, (list, tuple)) else [model]
-    config = get_model_config(chunks[0])
+    return get_model_config(chunks[0])
+
+
+def _policy(model: Any) -> Optional[str]:
+    """The overflow policy when capacity mode is on, else None (the config is the same on every
+    rank, so every rank decides alike)."""
+    config = _config(model)
     if getattr(config, "moe_hybridep_capacity_factor", None) is None:
         return None
     return getattr(config, "moe_hybridep_overflow_policy", "rerun")
+
+
+def _per_layer_graphs_hold_dispatch(model: Any) -> bool:
+    """Whether Megatron's per-layer graphs (`--cuda-graph-impl local`) capture the MoE dispatch."""
+    from megatron_ext.options import graph_impl, graphs_hold_dispatch
+
+    config = _config(model)
+    return graph_impl(config) == "local" and graphs_hold_dispatch(config)
+
+
+# True while an overflowed step re-runs under per-layer graphs: the schedule's capture at the
+# step's end is skipped (the patched `megatron.core.pipeline_parallel.schedules.create_cudagraphs`).
+_capture_paused = False
+
+
+def capture_paused() -> bool:
+    return _capture_paused
+
+
+def drop_per_layer_graphs(why: str) -> None:
+    """Delete Megatron's per-layer graphs and what they recorded: the next step records its
+    graphed modules again, eagerly, and the schedule captures them at that step's end."""
+    from megatron.core.transformer.cuda_graphs import delete_cuda_graphs
+
+    delete_cuda_graphs()
+    logger.log(
+        once_per_job(logging.WARNING),
+        "megatron-ext: %s: the per-layer CUDA graphs are dropped; the next step runs eagerly at the new "
+        "capacities and is captured again at its end.",
+        why,
+    )
+
+
+@contextlib.contextmanager
+def _eager_under_per_layer_graphs() -> Iterator[None]:
+    """A step run eagerly where per-layer graphs were replayed: the graphs are deleted before it
+    (the modules then run their eager forward, recording), the schedule's capture is skipped, and
+    what the step recorded is deleted after it."""
+    global _capture_paused
+    from megatron.core.transformer.cuda_graphs import delete_cuda_graphs
+
+    delete_cuda_graphs()
+    _capture_paused = True
+    try:
+        yield
+    finally:
+        _capture_paused = False
+        delete_cuda_graphs()
 
 
 def _replayable(data_iterator: Any, num_microbatches: int) -> Callable[[], Any]:
@@ -193,6 +255,7 @@ class OverflowRerun:
         kwargs["data_iterator"] = step_input()
         # Copies: a replayed graph adds to the same tensors.
         overflows_before = [None if m.overflows is None else m.overflows.clone() for m in managers]
+        per_layer_graphs = graph is None and _per_layer_graphs_hold_dispatch(model)
         for manager in managers:
             manager.record_overflow = True
             manager.reset_rows_used()
@@ -202,10 +265,13 @@ class OverflowRerun:
             if not overflowed:
                 if thin:  # grow before an overflow: the layers whose headroom is half used
                     used = [m for m in managers if m.rows_used is not None]
-                    grown = [m.grow_capacity(m.rows_used, "headroom half used") for m in used]
+                    capacities = [m.grow_capacity(m.rows_used, "headroom half used") for m in used]
+                    grown = any(capacity is not None for capacity in capacities)
                     self.resizes += 1
-                    if graph is not None and any(c is not None for c in grown):
+                    if grown and graph is not None:
                         drop_graphs(graph)
+                    elif grown and per_layer_graphs:
+                        drop_per_layer_graphs("a capacity grew (headroom half used)")
                 return result
             self.reruns += 1
             logger.log(
@@ -219,15 +285,38 @@ class OverflowRerun:
             for manager in managers:
                 manager.force_blocking, manager.blocking_rows_max = True, 0
             kwargs["data_iterator"] = step_input()
-            result = (eager or step)(**kwargs)
+            blocking_before = [m.stats.blocking_dispatches for m in managers]
+            with _eager_under_per_layer_graphs() if per_layer_graphs else contextlib.nullcontext():
+                result = (eager or step)(**kwargs)
+            _check_rerun_was_eager(managers, blocking_before)
             for manager in managers:
                 manager.grow_capacity(manager.blocking_rows_max, "a re-run after an overflow needed")
             if graph is not None:
                 drop_graphs(graph)
+            elif per_layer_graphs:
+                logger.log(
+                    once_per_job(logging.WARNING),
+                    "megatron-ext: the per-layer CUDA graphs were dropped for the re-run; the next step runs "
+                    "eagerly at the new capacities and is captured again at its end.",
+                )
             return result
         finally:
             for manager in managers:
                 manager.record_overflow, manager.force_blocking = False, False
+
+
+def _check_rerun_was_eager(managers: list[HybridEPCapacityManager], blocking_before: list[int]) -> None:
+    """Stop, loudly, if some layer ran no blocking dispatch in a re-run: a CUDA graph replayed it
+    at the capacity that overflowed, and its step would train on truncated tokens."""
+    pairs = zip(managers, blocking_before, strict=True)
+    replayed = [m.name for m, before in pairs if m.stats.blocking_dispatches == before]
+    if replayed:
+        raise RuntimeError(
+            f"megatron-ext: the re-run of an overflowed step ran no blocking dispatch in {', '.join(replayed)}: "
+            "a CUDA graph replayed it at the capacity that overflowed, so this step would train on truncated "
+            "tokens and is stopped. Graph settings that hold the dispatch with the re-run policy are "
+            "--cuda-graph-impl full_iteration and local; with others use --moe-hybridep-overflow-policy fail."
+        )
 
 
 def drop_graphs(graph: Any) -> None:

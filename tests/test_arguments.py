@@ -636,8 +636,8 @@ CAPACITY_EQUAL = ["--moe-hybridep-capacity-factor", "1.5", "--moe-hybridep-equal
             ["--cuda-graph-warmup-steps 0 would capture the first step", "--cuda-graph-warmup-steps 1 or more"],
         ),
         (
-            ["--cuda-graph-impl", "local", *CAPACITY_EQUAL],
-            ["--moe-hybridep-overflow-policy rerun", "per-layer graphs", "--cuda-graph-impl full_iteration"],
+            ["--cuda-graph-impl", "transformer_engine", *CAPACITY_EQUAL],
+            ["--cuda-graph-impl transformer_engine with", "--cuda-graph-impl local or full_iteration"],
         ),
         (
             ["--cuda-graph-impl", "transformer_engine", "--cuda-graph-modules", "moe", *CAPACITY_EQUAL],
@@ -651,7 +651,7 @@ CAPACITY_EQUAL = ["--moe-hybridep-capacity-factor", "1.5", "--moe-hybridep-equal
         "full-iteration-without-equal",
         "full-iteration-blocking",
         "no-warmup",
-        "local-whole-layer-rerun",
+        "te-whole-layer-rerun",
         "te-moe-rerun",
     ],
 )
@@ -668,13 +668,22 @@ def test_patched_parse_args_refuses_graphs_that_cannot_hold_the_dispatch(patched
             + ["--moe-hybridep-overflow-policy", "fail"],
             {"moe"},
         ),
+        (["--cuda-graph-impl", "local", "--cuda-graph-modules", "moe", *CAPACITY_EQUAL], {"moe"}),  # re-run policy
+        (["--cuda-graph-impl", "local", *CAPACITY_EQUAL], set()),  # the whole layer, re-run policy
         (
             ["--cuda-graph-impl", "local", "--cuda-graph-modules", "moe_router", "moe_preprocess", *CAPACITY_EQUAL],
             {"moe_router", "moe_preprocess"},
         ),
         (["--cuda-graph-impl", "local", "--cuda-graph-modules", "attn"], {"attn"}),  # no MoE graph: nothing to check
     ],
-    ids=["full-iteration", "local-moe-fail-policy", "local-router-preprocess", "attn-only"],
+    ids=[
+        "full-iteration",
+        "local-moe-fail-policy",
+        "local-moe-rerun-policy",
+        "local-whole-layer-rerun-policy",
+        "local-router-preprocess",
+        "attn-only",
+    ],
 )
 def test_patched_parse_args_accepts_graphs_of_capacity_mode(patched, monkeypatch, extra, modules):
     from megatron.training.arguments import core_transformer_config_from_args

@@ -24,6 +24,7 @@ ADD_ARGUMENTS = "megatron.training.arguments.add_megatron_arguments"
 TRAINING = "megatron.training.training.get_forward_backward_func"
 FULL_GRAPH = "megatron.training.training.FullCudaGraphWrapper"
 MOE_REPORT = "megatron.core.transformer.moe.moe_logging.MoEMetricsTracker.report"
+CREATE_GRAPHS = "megatron.core.pipeline_parallel.schedules.create_cudagraphs"
 ALL_TARGETS = [
     DISPATCHER,
     MOE_INIT,
@@ -34,6 +35,7 @@ ALL_TARGETS = [
     TRAINING,
     FULL_GRAPH,
     MOE_REPORT,
+    CREATE_GRAPHS,
 ]
 
 
@@ -92,7 +94,7 @@ def assert_patched(originals, replacements, targets):
             assert now is replacements[target], target
         elif target == MOE_INIT:
             assert now.__megatron_ext_original__ is originals[target]
-        elif target in (ADD_ARGUMENTS, TRAINING, MOE_REPORT):
+        elif target in (ADD_ARGUMENTS, TRAINING, MOE_REPORT, CREATE_GRAPHS):
             assert now.__wrapped__ is originals[target]
 
 
@@ -299,7 +301,7 @@ def test_apply_dispatcher_only(originals, replacements):
         ),
         (
             {"dispatcher": False, "experts": False, "arguments": False, "training": True},
-            [TRAINING, FULL_GRAPH, MOE_REPORT],
+            [TRAINING, FULL_GRAPH, MOE_REPORT, CREATE_GRAPHS],
         ),
         ({"dispatcher": False, "experts": False, "arguments": False, "training": False}, []),
     ],

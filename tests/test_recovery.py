@@ -358,7 +358,81 @@ def full_iteration_graph_keeps_the_policy_outside(rank, world):
     assert plain.overflow_rerun is None and plain.forward_backward_func is _forward_backward
 
 
+def per_layer_graphs_rerun_eagerly_and_are_captured_again(rank, world):
+    """With Megatron's per-layer graphs holding the dispatch (`--cuda-graph-impl local`), an
+    overflowed step's re-run deletes the graphs, runs blocking while the schedule's capture at its
+    end is skipped (a blocking dispatch cannot be captured), and deletes what it recorded, so the
+    next step records and is captured at its end; a capacity grown for thin headroom deletes them
+    too. Megatron's graph functions are stand-ins here (CPU ranks); the schedule's capture goes
+    through megatron-ext's patch of it."""
+    import megatron.core.transformer.cuda_graphs as cuda_graphs
+
+    from megatron_ext import patches, recovery
+
+    layer, blocking, manager = _layers(world)
+    layer.config.cuda_graph_impl = "local"  # read per step by the policy; the layer was built without graphs
+    events = []
+    capture = patches._create_cudagraphs(lambda: events.append("capture"))
+
+    def schedule(**kwargs):  # Megatron's schedule ends by capturing what the step recorded
+        losses = _forward_backward(**kwargs)
+        capture()
+        return losses
+
+    real_delete = cuda_graphs.delete_cuda_graphs
+    cuda_graphs.delete_cuda_graphs = lambda: events.append("delete")
+    try:
+        runner = recovery.OverflowRerun(schedule)
+        inputs = step_inputs(rank, 1 + MICROBATCHES, 32, HIDDEN, seed=19)
+        _step(layer, inputs[:1], runner)  # calibrates; captured at the step's end
+        _step(blocking, inputs[:1])
+        assert events == ["capture"]
+        calibrated = manager.calibrated_rows
+        manager.calibrated_rows, manager.capacity = calibrated - 8, calibrated + 4  # thin headroom, as above
+        _assert_same_step(_step(blocking, inputs[:1]), _step(layer, inputs[:1], runner))
+        assert events == ["capture", "capture", "delete"] and (runner.reruns, runner.resizes) == (0, 1)
+        events.clear()
+        manager.capacity = 4
+        _assert_same_step(_step(blocking, inputs[1:]), _step(layer, inputs[1:], runner))
+        # The overflowed step (its capture: a no-op in Megatron once graphs exist), then the re-run
+        # between two deletions, without a capture.
+        assert events == ["capture", "delete", "delete"], events
+        assert runner.reruns == 1 and manager.capacity > 4 and not recovery.capture_paused()
+        layer.config.cuda_graph_impl = "none"  # without graphs: nothing deleted, the re-run's capture not skipped
+        events.clear()
+        manager.capacity = 4
+        _assert_same_step(_step(blocking, inputs[1:]), _step(layer, inputs[1:], runner))
+        assert events == ["capture", "capture"] and runner.reruns == 2
+    finally:
+        cuda_graphs.delete_cuda_graphs = real_delete
+
+
+def a_rerun_that_runs_no_blocking_dispatch_stops_the_job(rank, world):
+    """A re-run that replayed a graph (its layers ran no blocking dispatch) would train on the
+    truncated tokens of the overflow it re-runs: it stops with an error naming the layer."""
+    from megatron_ext.recovery import OverflowRerun
+
+    layer, _, manager = _layers(world)
+    calls = []
+
+    def step(**kwargs):
+        calls.append(len(calls))
+        if len(calls) == 3:  # the re-run, as a replay: no dispatch in Python
+            return ["replayed"]
+        return _forward_backward(**kwargs)
+
+    runner = OverflowRerun(step)
+    inputs = step_inputs(rank, 2, 32, HIDDEN, seed=23)
+    _step(layer, inputs[:1], runner)  # calibrates
+    manager.capacity = 4
+    with pytest.raises(RuntimeError, match=f"ran no blocking dispatch in {manager.name}: a CUDA graph replayed"):
+        _step(layer, inputs[1:], runner)
+    assert len(calls) == 3 and not manager.force_blocking and not manager.record_overflow
+
+
 CHECKS = (
+    a_rerun_that_runs_no_blocking_dispatch_stops_the_job,
+    per_layer_graphs_rerun_eagerly_and_are_captured_again,
     routing_shift_mid_training_is_survived_bitwise,
     counters_are_written_in_place_and_nothing_keeps_autograd_history,
     host_work_under_capture_is_refused_by_name,
@@ -390,6 +464,7 @@ def test_recovery(results, check):
 def test_the_patch_wraps_the_schedule_of_megatrons_training_loop():
     from megatron.core import full_cuda_graph
     from megatron.core.pipeline_parallel import schedules
+    from megatron.core.transformer import cuda_graphs
 
     import megatron_ext.patches as patches
     from megatron_ext.recovery import OverflowRerun
@@ -401,7 +476,10 @@ def test_the_patch_wraps_the_schedule_of_megatrons_training_loop():
             "megatron.training.training.get_forward_backward_func",
             "megatron.training.training.FullCudaGraphWrapper",
             "megatron.core.transformer.moe.moe_logging.MoEMetricsTracker.report",
+            "megatron.core.pipeline_parallel.schedules.create_cudagraphs",
         ]
+        # What the schedules call at a step's end to capture per-layer graphs, skipped in a re-run.
+        assert schedules.create_cudagraphs.__wrapped__ is cuda_graphs.create_cudagraphs
         func = training.get_forward_backward_func(pp_size=1)
         assert isinstance(func, OverflowRerun)
         assert func.forward_backward_func is schedules.forward_backward_no_pipelining
@@ -410,6 +488,7 @@ def test_the_patch_wraps_the_schedule_of_megatrons_training_loop():
         assert issubclass(training.FullCudaGraphWrapper, full_cuda_graph.FullCudaGraphWrapper)
         assert training.FullCudaGraphWrapper.cuda_graph is full_cuda_graph.FullCudaGraphWrapper.cuda_graph
     assert training.get_forward_backward_func(pp_size=1) is schedules.forward_backward_no_pipelining
+    assert schedules.create_cudagraphs is cuda_graphs.create_cudagraphs
 
 
 @pytest.mark.parametrize(

@@ -28,7 +28,9 @@ Patched attributes, by feature:
   subclass that, built around that wrapper, graphs the step function inside it and keeps the
   overflow policy outside the graph (`megatron_ext.recovery.full_iteration_graph`);
   `megatron.core.transformer.moe.moe_logging.MoEMetricsTracker.report` -> the same, also
-  reporting megatron-ext's capacity use in capacity mode.
+  reporting megatron-ext's capacity use in capacity mode;
+  `megatron.core.pipeline_parallel.schedules.create_cudagraphs` -> the same, skipped while an
+  overflowed step re-runs eagerly under per-layer graphs (`megatron_ext.recovery.capture_paused`).
 """
 
 from __future__ import annotations
@@ -118,6 +120,18 @@ def _moe_metrics_report(original: Callable) -> Callable:
     return report
 
 
+def _create_cudagraphs(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def create_cudagraphs(*args, **kwargs):
+        from megatron_ext.recovery import capture_paused
+
+        if capture_paused():  # a blocking re-run: nothing of it may be captured
+            return None
+        return original(*args, **kwargs)
+
+    return create_cudagraphs
+
+
 @dataclass(frozen=True)
 class _Patch:
     target: str  # dotted name of the attribute replaced
@@ -135,6 +149,7 @@ PATCHES: tuple[_Patch, ...] = (
     _Patch("megatron.training.training.get_forward_backward_func", _get_forward_backward_func, "training"),
     _Patch("megatron.training.training.FullCudaGraphWrapper", _full_cuda_graph_wrapper, "training"),
     _Patch("megatron.core.transformer.moe.moe_logging.MoEMetricsTracker.report", _moe_metrics_report, "training"),
+    _Patch("megatron.core.pipeline_parallel.schedules.create_cudagraphs", _create_cudagraphs, "training"),
 )
 FEATURES = ("dispatcher", "experts", "arguments", "training")
 
