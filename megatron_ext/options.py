@@ -269,6 +269,46 @@ def _check_graphs(config: Any, options: HybridEPOptions) -> None:
         )
 
 
+# fp8 recipes whose grouped GEMM in Transformer Engine's op fuser takes the expert counts on the
+# device (TE 2.20: per-tensor current scaling on Hopper with cuBLASLt >= 13.5, block scaling on
+# Hopper with cuBLASLt >= 13.6); with any other recipe TE splits the rows by counts read on the host.
+FP8_RECIPES = ("tensorwise", "blockwise")
+
+
+def _check_quantized_experts(config: Any) -> None:
+    """Capacity mode with --fp8-format / --fp4-format: only experts that quantize with the counts on
+    the device, which are Transformer Engine's op-fuser experts with an fp8 recipe of FP8_RECIPES."""
+    if getattr(config, "fp4", None):
+        raise HybridEPConfigError(
+            f"{CAPACITY_FACTOR_FLAG} with --fp4-format: Transformer Engine's grouped GEMM takes the expert counts "
+            "on the device for NVFP4 on Blackwell only, and megatron-ext has not run it. Drop --fp4-format, or "
+            f"use --fp8-format e4m3 --fp8-recipe {' or '.join(FP8_RECIPES)} with TE's op-fuser experts."
+        )
+    if not getattr(config, "fp8", None):
+        return
+    recipe = getattr(config, "fp8_recipe", None)
+    recipe = str(getattr(recipe, "value", recipe))
+    if recipe not in FP8_RECIPES:
+        why = {
+            "delayed": "TE has no grouped quantization for delayed scaling, so its grouped GEMM would split the "
+            "rows by counts read on the host",
+            "mxfp8": "TE's grouped GEMM takes the counts on the device for MXFP8 on Blackwell only, and "
+            "megatron-ext has not run it",
+        }.get(recipe, "TE's grouped GEMM does not take the counts on the device for it")
+        raise HybridEPConfigError(
+            f"{CAPACITY_FACTOR_FLAG} with --fp8-recipe {recipe}: {why}. Use --fp8-recipe "
+            f"{' or '.join(FP8_RECIPES)} (Hopper: cuBLASLt >= 13.5, >= 13.6 for blockwise), or drop --fp8-format."
+        )
+    if getattr(config, "transformer_impl", "transformer_engine") != "transformer_engine" or not getattr(
+        config, "use_transformer_engine_op_fuser", False
+    ):
+        raise HybridEPConfigError(
+            f"{CAPACITY_FACTOR_FLAG} with --fp8-format: fp8 experts in capacity mode are Transformer Engine's "
+            "op-fuser experts (megatron-ext's GroupedMLP computes in bf16 or fp16). Add --transformer-impl "
+            "transformer_engine --use-transformer-engine-op-fuser, or drop --fp8-format."
+        )
+
+
 def validate(config: Any) -> HybridEPOptions:
     """Check megatron-ext's options on `config` (a TransformerConfig or a parsed namespace).
 
@@ -353,12 +393,7 @@ def validate(config: Any) -> HybridEPOptions:
                 f"itself and drops nothing; {'; '.join(dropping.values())}. (Or drop {capacity} to train with "
                 "Megatron's token-dropping MoE.)"
             )
-        if getattr(config, "fp8", None) or getattr(config, "fp4", None):
-            # Expert compute in capacity mode reads counts on the device; fp8/fp4 padding does not.
-            raise HybridEPConfigError(
-                f"{capacity} does not support --fp8-format/--fp4-format yet: the quantized expert "
-                f"path pads token counts on the host. Train in bf16 or drop {capacity}."
-            )
+        _check_quantized_experts(config)
 
     if options.equal_token_counts and getattr(config, "moe_hybridep_pad_uneven_dispatch_inputs", False):
         raise HybridEPConfigError(

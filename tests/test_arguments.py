@@ -710,3 +710,35 @@ def test_config_lifts_megatrons_moe_graph_refusal_for_capacity_mode_with_equal_c
     # Everywhere else Megatron's own refusal stands.
     with pytest.raises(AssertionError, match="drop-padding"):
         HybridEPTransformerConfig(**graphed)
+
+
+# --- fp8 / fp4 ----------------------------------------------------------------------------------
+
+TE_OP_FUSER = ["--transformer-impl", "transformer_engine", "--use-transformer-engine-op-fuser", "--moe-grouped-gemm"]
+
+
+@pytest.mark.parametrize(
+    "extra, expected",
+    [
+        (["--fp8-format", "e4m3"], ["--fp8-recipe delayed", "grouped quantization", "tensorwise or blockwise"]),
+        (["--fp8-format", "e4m3", "--fp8-recipe", "mxfp8"], ["--fp8-recipe mxfp8", "Blackwell only"]),
+        (["--fp8-format", "e4m3", "--fp8-recipe", "tensorwise"], ["op-fuser experts", TE_OP_FUSER[1]]),
+        (["--fp4-format", "e2m1", *TE_OP_FUSER], ["with --fp4-format", "NVFP4 on Blackwell only"]),
+    ],
+    ids=["fp8-delayed", "fp8-mxfp8", "fp8-without-te-op-fuser", "fp4"],
+)
+def test_patched_parse_args_refuses_quantized_experts_that_read_counts_on_the_host(
+    patched, monkeypatch, capsys, extra, expected
+):
+    err = parse_error(patched, monkeypatch, capsys, "--moe-hybridep-capacity-factor", "1.5", *extra)
+    for text in expected:
+        assert text in err, f"{text!r} not in {err[-600:]!r}"
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])
+def test_patched_parse_args_accepts_fp8_recipes_whose_grouped_gemm_takes_device_counts(patched, monkeypatch, recipe):
+    extra = ["--moe-hybridep-capacity-factor", "1.5", "--fp8-format", "e4m3", "--fp8-recipe", recipe]
+    args = parse(patched, monkeypatch, *extra, *TE_OP_FUSER)
+    assert (args.fp8, args.fp8_recipe, args.use_transformer_engine_op_fuser) == ("e4m3", recipe, True)
+    # Without capacity mode megatron-ext has nothing to say about fp8.
+    assert parse(patched, monkeypatch, "--fp8-format", "e4m3").fp8 == "e4m3"

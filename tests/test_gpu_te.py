@@ -95,3 +95,59 @@ def test_stock_te_experts_make_the_host_wait(megatron):
     waits = runahead_probe(lambda: run_steps(stock, [x], lambda layer, x: layer(x)))
     print(f"\nstock alltoall + TEGroupedMLP (unfused): {waits}")
     assert waits.waited, waits
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])
+def test_fp8_op_fuser_experts_in_capacity_mode_match_blocking_without_host_syncs(megatron, recipe):
+    """Capacity mode with an fp8 recipe whose grouped GEMM takes the counts on the device, against
+    the blocking dispatch with the same recipe and experts (same padded rows per expert, so the
+    same kernels). Before each capacity-mode step the allocator's free memory is filled with NaN,
+    so that the capacity's spare rows (left unwritten) would poison any quantization that read
+    them (an amax over the whole buffer, say)."""
+    from megatron.core.fp8_utils import get_fp8_context
+
+    from megatron_ext.options import HybridEPConfigError
+    from megatron_ext.tooling.sync import forbid_host_sync
+
+    fp8 = dict(fp8="e4m3", fp8_recipe=recipe)
+    try:
+        capacity = _te_stack("te-op-fuser", 90, **CAPACITY, **OP_FUSER, **fp8)
+    except HybridEPConfigError as refused:  # TE or cuBLASLt too old for this recipe's device-count path
+        pytest.skip(str(refused))
+    blocking = _te_stack("te-op-fuser", 90, **FLEX, **OP_FUSER, **fp8)
+    copy_weights(blocking, capacity)
+    config = capacity.layers[0].config
+
+    def wrap(layer, x):
+        with get_fp8_context(config):
+            return layer(x)
+
+    def poisoned(step):
+        free = torch.cuda.mem_get_info()[0]
+        torch.full((min(free // 4, 2**30) // 2,), float("nan"), dtype=torch.bfloat16, device="cuda")
+        return step()  # the NaN block is freed again: its memory backs the step's new tensors
+
+    inputs = _inputs(4)
+    expected = run_steps(blocking, inputs, wrap)
+    actual = poisoned(lambda: run_steps(capacity, inputs[:1], wrap))
+    with forbid_host_sync():
+        for x in inputs[1:]:
+            actual += poisoned(lambda x=x: run_steps(capacity, [x], wrap))
+    torch.cuda.synchronize()
+    bitwise, worst = True, 0.0
+    for step, ((out_a, dx_a, g_a), (out_b, dx_b, g_b)) in enumerate(zip(expected, actual, strict=True)):
+        pairs = [("output", out_a, out_b), ("input grad", dx_a, dx_b)]
+        pairs += [(f"grad {name}", g_a[name], g_b[name]) for name in g_a]
+        for what, a, b in pairs:
+            assert torch.isfinite(b).all(), f"{recipe} step {step}: {what} is not finite"
+            bitwise = bitwise and torch.equal(a, b)
+            error = _relative_error(b, a)
+            worst = max(worst, error)
+            assert error <= 2e-2, f"{recipe} step {step}: {what}: relative error {error:.3g}"
+    for layer in capacity.layers:
+        stats = layer.token_dispatcher.capacity_manager.stats
+        assert stats.calibrations == 1 and stats.non_blocking_dispatches == len(inputs) - 1
+    print(
+        f"\nfp8 {recipe}, TE op-fuser experts: capacity 2.0 + equal counts against blocking: bitwise {bitwise}, "
+        f"worst relative error {worst:.3g}"
+    )

@@ -394,3 +394,43 @@ def test_capacity_mode_refuses_te_op_fuser_that_would_read_counts_on_the_host():
             select_experts(config, te)
     no_fuser = types.SimpleNamespace(**{**vars(config), "use_transformer_engine_op_fuser": False})
     assert select_experts(no_fuser, te).experts.__name__ == "GroupedMLP"  # no TE needed without the fuser
+
+
+@pytest.mark.parametrize("supported", [True, False])
+def test_te_op_fuser_experts_are_checked_with_the_fp8_recipe_megatron_trains_with(monkeypatch, supported):
+    """Capacity mode keeps TE's op-fuser experts only where TE's grouped GEMM takes the counts on
+    the device for this dtype and fp8 recipe; the check asks TE with Megatron's recipe object.
+    TE is a stand-in here (CI has none)."""
+    import types
+
+    from megatron_ext.options import HybridEPConfigError
+    from megatron_ext.patches import _moe_layer
+
+    asked = []
+
+    def is_op_fuser_grouped_tensor_path_supported(recipe, dtype):
+        asked.append((recipe, dtype))
+        return supported
+
+    module = types.ModuleType("transformer_engine.pytorch.ops.basic.grouped_linear")
+    module.is_op_fuser_grouped_tensor_path_supported = is_op_fuser_grouped_tensor_path_supported
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+
+    class Float8BlockScaling:  # what megatron.core.fp8_utils.get_fp8_recipe gives for --fp8-recipe blockwise
+        pass
+
+    recipe = Float8BlockScaling()
+    monkeypatch.setattr(_moe_layer, "_fp8_recipe", lambda config: recipe if config.fp8 else None)
+    for fp8 in ("e4m3", None):
+        config = types.SimpleNamespace(params_dtype=torch.bfloat16, fp8=fp8)
+        if supported:
+            _moe_layer._check_te_takes_device_counts(config)
+        else:
+            with pytest.raises(HybridEPConfigError) as refused:
+                _moe_layer._check_te_takes_device_counts(config)
+            message = str(refused.value)
+            if fp8:
+                assert "with fp8 recipe Float8BlockScaling" in message and "drop --fp8-format" in message
+            else:
+                assert "drop --use-transformer-engine-op-fuser" in message and "fp8 recipe" not in message
+    assert asked == [(recipe, torch.bfloat16), (None, torch.bfloat16)]

@@ -51,29 +51,45 @@ def select_experts(config: Any, submodules: Any) -> Any:
     return dataclasses.replace(submodules, experts=GroupedMLP)
 
 
+def _fp8_recipe(config: Any) -> Any:
+    """The Transformer Engine recipe Megatron trains `config`'s fp8 with (None without fp8)."""
+    if not getattr(config, "fp8", None):
+        return None
+    from megatron.core.fp8_utils import get_fp8_recipe
+
+    return get_fp8_recipe(config)
+
+
 def _check_te_takes_device_counts(config: Any) -> None:
     """TE's op fuser keeps the counts on the device only on its graph-safe grouped GEMM. Elsewhere
-    (older TE or cuBLASLt, fp32) it reads them on the host and splits the rows by them, which fails
-    on capacity mode's extra rows deep in a step: refuse here instead, with the fix."""
+    (older TE or cuBLASLt, fp32, an fp8 recipe it has no grouped quantization for) it reads them on
+    the host and splits the rows by them, which fails on capacity mode's extra rows deep in a step:
+    refuse here instead, with the fix."""
     try:
         from transformer_engine.pytorch.ops.basic.grouped_linear import is_op_fuser_grouped_tensor_path_supported
     except ImportError as exc:
         reason = f"this Transformer Engine has no graph-safe grouped GEMM ({exc}; TE 2.20 has)"
     else:
         dtype = getattr(config, "params_dtype", None)
-        if is_op_fuser_grouped_tensor_path_supported(None, dtype):
+        recipe = _fp8_recipe(config)
+        if is_op_fuser_grouped_tensor_path_supported(recipe, dtype):
             return
+        what = f"{dtype}" if recipe is None else f"{dtype} with fp8 recipe {type(recipe).__name__}"
         reason = (
-            f"TE's graph-safe grouped GEMM does not run here for {dtype} (it needs bf16 or fp16 and, on "
-            "Hopper, cuBLASLt >= 13.4)"
+            f"TE's graph-safe grouped GEMM does not run here for {what} (it needs bf16 or fp16 and, on Hopper, "
+            "cuBLASLt >= 13.4; fp8 tensorwise >= 13.5, blockwise >= 13.6)"
         )
     from megatron_ext.options import HybridEPConfigError
 
     raise HybridEPConfigError(
         f"--moe-hybridep-capacity-factor with --use-transformer-engine-op-fuser: {reason}, so TE would read "
         "the expert counts on the host and split the rows by them, which fails on capacity mode's extra rows. "
-        "Install nvidia-cublas>=13.4 (and TE >= 2.14), or drop --use-transformer-engine-op-fuser so that "
-        "megatron-ext builds its GroupedMLP experts."
+        + (
+            "Install nvidia-cublas>=13.4 (and TE >= 2.14), or drop --use-transformer-engine-op-fuser so that "
+            "megatron-ext builds its GroupedMLP experts."
+            if not getattr(config, "fp8", None)
+            else "Install nvidia-cublas>=13.6 (and TE >= 2.20), or train the experts in bf16 (drop --fp8-format)."
+        )
     )
 
 
