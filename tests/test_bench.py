@@ -195,10 +195,10 @@ DIFFERS = textwrap.dedent(
     import sys
     from megatron_ext.bench import modes
     everything = modes.all_modes
-    def with_a_wrong_mode(factor):
+    def with_a_wrong_mode(factor, fp8_recipe=None):
         wrong = modes.Mode("pre-softmax", "other routing probabilities: must differ", (),
                            dict(modes.FLEX, moe_hybridep_implementation="torch", moe_router_pre_softmax=True))
-        return (*everything(factor), wrong)
+        return (*everything(factor, fp8_recipe), wrong)
     modes.all_modes = with_a_wrong_mode
     from megatron_ext.bench.cli import main
     sys.exit(main(sys.argv[1:]))
@@ -451,6 +451,56 @@ def _cpu_runner(progress=lambda: None):
     sizes = Sizes(layers=1, tokens=3, hidden=4, ffn_hidden=4, experts=2, topk=1, dtype="fp32", skew=0.0,
                   capacity_factor=1.5, steps=2, check_steps=1, warmup=0, seed=0)  # fmt: skip
     return _Runner(sizes, 0, 1, torch.device("cpu"), progress)
+
+
+def test_fp8_modes_come_with_their_reference_and_need_the_recipe():
+    from megatron_ext.bench.modes import FP8_REFERENCE, select
+
+    chosen = select(["capacity+equal+te+fp8"], 1.5, "blockwise")
+    assert [m.name for m in chosen] == ["blocking", FP8_REFERENCE, "capacity+equal+te+fp8"]
+    assert [m.reference for m in chosen] == ["blocking", "blocking", FP8_REFERENCE]
+    for mode in chosen[1:]:
+        assert mode.overrides["fp8"] == "e4m3" and mode.overrides["fp8_recipe"] == "blockwise"
+        assert mode.overrides["use_transformer_engine_op_fuser"] and mode.needs_te
+        assert "--fp8-recipe blockwise" in mode.flags and "--use-transformer-engine-op-fuser" in mode.flags
+    assert "capacity+equal+te+fp8" not in {m.name for m in select(None, 1.5)}  # no recipe, no fp8 modes
+    with pytest.raises(ValueError, match=r"capacity\+equal\+te\+fp8 \(the fp8 modes need --fp8-recipe\)"):
+        select(["capacity+equal+te+fp8"], 1.5)
+
+
+def test_fp8_modes_are_checked_against_their_own_blocking_twin():
+    """The fp8 blocking mode against bf16 blocking within fp8's tolerance; fp8 capacity mode
+    against the fp8 blocking mode, so that a bitwise match there is seen as one."""
+    from megatron_ext.bench.modes import FP8_REFERENCE, fp8_modes, select
+    from megatron_ext.bench.run import FP8_TOLERANCE, ModeResult, tolerance
+
+    blocking = select([], 1.5)[1]
+    fp8_blocking, fp8_capacity = fp8_modes(1.5, "tensorwise")
+    assert blocking.name == "blocking" and tolerance(fp8_capacity, "bf16") == FP8_TOLERANCE > tolerance(
+        blocking, "bf16"
+    )
+
+    def check(runner, mode, out):
+        runner.step = lambda stack, x: (out, None)
+        runner.snapshot = lambda stack, out, grad: [out.clone()]
+        result = ModeResult(mode.name)
+        runner._check(None, mode, result, iter(runner.inputs))
+        return result
+
+    runner = _cpu_runner()
+    runner.expert_load = 1.0  # what blocking's check would measure on a real stack
+    base = torch.linspace(1.0, 2.0, 12)
+    assert check(runner, blocking, base).equality == "bitwise"
+    in_fp8 = check(runner, fp8_blocking, base * 1.05)
+    assert in_fp8.equality == "close" and 0.04 < in_fp8.max_rel_error < 0.06 and in_fp8.status == "ok"
+    assert check(runner, fp8_capacity, base * 1.05).equality == "bitwise"
+    off = check(runner, fp8_capacity, base * 1.3)
+    assert off.status == "differs" and f"differ from {FP8_REFERENCE} on rank 0" in off.detail
+    alone = _cpu_runner()
+    alone.expert_load = 1.0
+    check(alone, blocking, base)
+    orphan = check(alone, fp8_capacity, base)
+    assert orphan.status == "differs" and f"no results of {FP8_REFERENCE}" in orphan.detail
 
 
 def test_a_graph_modes_step_is_the_replay():

@@ -29,12 +29,12 @@ import warnings
 import torch
 
 import megatron_ext
-from megatron_ext.bench.modes import all_modes, select
+from megatron_ext.bench.modes import BLOCKING, FP8_REFERENCE, all_modes, select
 from megatron_ext.bench.report import WIDTH
 from megatron_ext.bench.sizes import DEFAULT_SIZE, SIZES, SizedParser, Sizes, describe_size
 from megatron_ext.bench.stack import DTYPES
 from megatron_ext.logs import log_with_rank_prefix
-from megatron_ext.options import capacity_factor_argument
+from megatron_ext.options import FP8_RECIPES, capacity_factor_argument
 from megatron_ext.tooling.ranks import run_on_ranks, this_rank, under_torchrun
 
 
@@ -80,6 +80,13 @@ def parser() -> argparse.ArgumentParser:
     )
     run = p.add_argument_group("the run")
     run.add_argument("--modes", default=None, help="comma-separated modes to run (blocking always runs); default all")
+    run.add_argument(
+        "--fp8-recipe",
+        choices=FP8_RECIPES,
+        default=None,
+        help=f"add the fp8 modes ({FP8_REFERENCE} and capacity+equal+te+fp8: TE's op-fuser experts, e4m3, "
+        "this recipe; GPU with Transformer Engine)",
+    )
     run.add_argument("--steps", type=int, default=5, help="timed steps per mode (default 5)")
     run.add_argument("--check-steps", type=int, default=2, help="steps compared with blocking, per mode (default 2)")
     run.add_argument("--warmup", type=int, default=1, help="untimed steps per mode before counting (default 1)")
@@ -137,7 +144,7 @@ def parse(argv=None) -> argparse.Namespace:
     if args.experts % args.world_size:
         p.error(f"--experts {args.experts} must be divisible by the {args.world_size} ranks (one EP group)")
     try:
-        args.selected = select(args.modes.split(",") if args.modes else None, args.capacity_factor)
+        args.selected = select(args.modes.split(",") if args.modes else None, args.capacity_factor, args.fp8_recipe)
     except ValueError as error:
         p.error(str(error))
     if args.plot:
@@ -315,7 +322,13 @@ def _print_report(args, sizes, world_size, rows, facts, problems) -> None:
         close = [n for n, k in kinds.items() if k == "close"]
         said = [f"bitwise for {', '.join(bitwise)}"] if bitwise else []
         said += [f"within tolerance for {', '.join(close)}"] if close else []
-        _say("OK: outputs and gradients equal blocking's: " + "; ".join(said))
+        against = sorted(
+            f"{r['name']} against {r['checked_against']}"
+            for r in rows
+            if r.get("checked_against", BLOCKING) != BLOCKING and r["name"] in kinds
+        )
+        also = f" ({'; '.join(against)})" if against else ""
+        _say("OK: outputs and gradients equal blocking's: " + "; ".join(said) + also)
     if args.json:
         report.write_json(
             args.json,

@@ -27,6 +27,9 @@ class Mode:
     overflow_rerun: each step runs through `megatron_ext.recovery.OverflowRerun`, as Megatron's
     training loop does with `--moe-hybridep-overflow-policy rerun`: the step's end check (one
     all-reduce, one host read) and the headroom metrics are in the step.
+    reference: the mode whose results this one's are checked against (`blocking`, or the fp8
+    modes' own blocking twin: fp8 and bf16 results differ by more than any summation order).
+    fp8_recipe: Megatron's `--fp8-recipe` of an fp8 mode (None: the stack's dtype throughout).
     graph: after two eager steps (capacity mode's blocking calibration, then the non-blocking path,
     which compiles its kernels), the bench captures one whole forward+backward step in a CUDA graph
     and replays it for every step it checks, counts and times (`megatron_ext.bench.graphed`): what
@@ -42,6 +45,8 @@ class Mode:
     experts: str = "grouped"
     overflow_rerun: bool = False
     graph: bool = False
+    reference: str = "blocking"
+    fp8_recipe: str | None = None
 
     @property
     def needs_te(self) -> bool:
@@ -53,6 +58,9 @@ STOCK = "megatron"
 STOCK_TE = "megatron+te"
 TE_FLAGS = ("--transformer-impl transformer_engine", "--moe-grouped-gemm")
 OP_FUSER_FLAGS = (*TE_FLAGS, "--use-transformer-engine-op-fuser")
+FP8_REFERENCE = "blocking+te+fp8"
+# The modes that others are checked against, run first in this order.
+REFERENCES = (BLOCKING, FP8_REFERENCE)
 # The modes that have a `+graph` twin, listed right after them: the same flags, overrides and check.
 GRAPHED = ("capacity+equal", "deep_ep+capacity+equal+reuse")
 GRAPH_SKIP_REASON = "CUDA graphs need a GPU"
@@ -64,8 +72,44 @@ def graphed(mode: Mode) -> Mode:
     return replace(mode, name=f"{mode.name}+graph", summary=summary, graph=True)
 
 
-def all_modes(capacity_factor: float) -> tuple[Mode, ...]:
-    """Every mode, in the order the table shows them (the bench runs `blocking`, the reference, first)."""
+def fp8_modes(capacity_factor: float, recipe: str) -> tuple[Mode, ...]:
+    """Blocking and capacity mode with TE's op-fuser experts in fp8 (`recipe`, e4m3): capacity mode
+    checked against the blocking one, which is checked against bf16 `blocking` within fp8's tolerance."""
+    fp8 = dict(fp8="e4m3", fp8_recipe=recipe)
+    fp8_flags = ("--fp8-format e4m3", f"--fp8-recipe {recipe}")
+    flex = (
+        "--moe-token-dispatcher-type flex",
+        "--moe-flex-dispatcher-backend hybridep",
+        "--moe-hybridep-implementation torch",
+    )
+    torch_impl = dict(FLEX, moe_hybridep_implementation="torch", use_transformer_engine_op_fuser=True, **fp8)
+    return (
+        Mode(
+            FP8_REFERENCE,
+            f"as blocking+te in fp8 ({recipe}): the reference of the fp8 modes",
+            (*flex, *OP_FUSER_FLAGS, *fp8_flags),
+            torch_impl,
+            equality="close",
+            experts="te-op-fuser",
+            fp8_recipe=recipe,
+        ),
+        Mode(
+            "capacity+equal+te+fp8",
+            f"as capacity+equal+te in fp8 ({recipe}), checked against {FP8_REFERENCE}",
+            (*flex, f"--moe-hybridep-capacity-factor {capacity_factor}", "--moe-hybridep-equal-token-counts")
+            + (*OP_FUSER_FLAGS, *fp8_flags),
+            dict(torch_impl, moe_hybridep_capacity_factor=capacity_factor, moe_hybridep_equal_token_counts=True),
+            equality="close",
+            experts="te-op-fuser",
+            reference=FP8_REFERENCE,
+            fp8_recipe=recipe,
+        ),
+    )
+
+
+def all_modes(capacity_factor: float, fp8_recipe: str | None = None) -> tuple[Mode, ...]:
+    """Every mode, in the order the table shows them (the bench runs the references first); the fp8
+    modes with `fp8_recipe` only."""
     factor = dict(moe_hybridep_capacity_factor=capacity_factor)
     equal = dict(moe_hybridep_equal_token_counts=True)
     torch_impl = dict(FLEX, moe_hybridep_implementation="torch")
@@ -190,17 +234,23 @@ def all_modes(capacity_factor: float) -> tuple[Mode, ...]:
             experts="te-op-fuser",
         ),
     )
+    if fp8_recipe is not None:
+        modes += fp8_modes(capacity_factor, fp8_recipe)
     return tuple(m for mode in modes for m in ((mode, graphed(mode)) if mode.name in GRAPHED else (mode,)))
 
 
-def select(names: list[str] | None, capacity_factor: float) -> tuple[Mode, ...]:
-    """The modes named (always with `blocking`, the reference), in table order; ValueError on an unknown name."""
-    modes = all_modes(capacity_factor)
+def select(names: list[str] | None, capacity_factor: float, fp8_recipe: str | None = None) -> tuple[Mode, ...]:
+    """The modes named (with the modes they are checked against), in table order; ValueError on an
+    unknown name."""
+    modes = all_modes(capacity_factor, fp8_recipe)
     if not names:
         return modes
     known = {m.name for m in modes}
     unknown = [n for n in names if n not in known]
     if unknown:
-        raise ValueError(f"--modes: unknown mode(s) {', '.join(unknown)}; choose from {', '.join(sorted(known))}")
+        fp8 = {m.name for m in fp8_modes(capacity_factor, "tensorwise")}
+        hint = " (the fp8 modes need --fp8-recipe)" if fp8_recipe is None and set(unknown) & fp8 else ""
+        raise ValueError(f"--modes: unknown mode(s) {', '.join(unknown)}{hint}; choose from {', '.join(sorted(known))}")
     wanted = set(names) | {BLOCKING}
+    wanted |= {m.reference for m in modes if m.name in wanted}
     return tuple(m for m in modes if m.name in wanted)

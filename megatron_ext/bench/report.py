@@ -54,7 +54,8 @@ def aggregate(mode: Mode, per_rank: list[dict]) -> dict[str, Any]:
         flags=list(mode.flags),
         status=status,
         detail=detail,
-        equal_to_blocking=equality,
+        equal_to_blocking=equality,  # against `checked_against` (blocking, for every mode but the fp8 ones)
+        checked_against=mode.reference,
         max_rel_error=max(r["max_rel_error"] for r in per_rank),
         step_ms=_worst([_median(r["step_ms"]) for r in per_rank]),
         round_step_ms=rounds,

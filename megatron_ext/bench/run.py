@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from megatron_ext.bench.counters import DispatchTimer, busy_ms, count_collectives, gpu_operations
 from megatron_ext.bench.graphed import GraphedStep
-from megatron_ext.bench.modes import BLOCKING, GRAPH_SKIP_REASON, Mode
+from megatron_ext.bench.modes import BLOCKING, GRAPH_SKIP_REASON, REFERENCES, Mode
 from megatron_ext.bench.sizes import Sizes
 from megatron_ext.bench.stack import (
     MoEStack,
@@ -112,6 +112,12 @@ class ModeResult:
 
 # How far a mode that sums in another order may be from blocking: ||a - b|| / ||b||.
 CLOSE_TOLERANCE = {"fp32": 1e-4, "bf16": 3e-2, "fp16": 1e-2}
+# How far fp8 experts may be from bf16 ones (e4m3 keeps 3 mantissa bits), and from each other.
+FP8_TOLERANCE = 1e-1
+
+
+def tolerance(mode: Mode, dtype: str) -> float:
+    return FP8_TOLERANCE if mode.fp8_recipe is not None else CLOSE_TOLERANCE[dtype]
 
 
 class _Runner:
@@ -122,7 +128,7 @@ class _Runner:
         shape = self.inputs[0].shape
         self.loss_weights = torch.linspace(-1.0, 1.0, shape.numel(), device=device).view(shape)
         self.weights: Optional[dict] = None  # the first stack's state, loaded into every other
-        self.reference: Optional[list] = None  # blocking's check results, on the host
+        self.references: dict[str, list] = {}  # the check results of the modes in REFERENCES
         self.expert_load: Optional[float] = None
         self.recovery = None  # an OverflowRerun around `_megatron_step`, for modes with `overflow_rerun`
         self.graphed: Optional[GraphedStep] = None  # for `graph` modes, once captured
@@ -246,26 +252,36 @@ class _Runner:
             if mode.name == BLOCKING and self.expert_load is None:
                 self.expert_load = _expert_load(stack)
             self.progress()
-        if mode.name == BLOCKING:
-            if self.reference is not None and not _compare(self.reference, snapshots)[0]:  # a later round
+        if mode.name in REFERENCES and mode.name in self.references:  # a later round
+            if not _compare(self.references[mode.name], snapshots)[0]:
                 result.status, result.equality = "differs", "differs"
-                result.detail = f"blocking is not deterministic on rank {self.rank}: a later round differs"
-                return
-            self.reference = snapshots
+                result.detail = f"{mode.name} is not deterministic on rank {self.rank}: a later round differs"
+            else:
+                result.equality = "bitwise"  # as in its first round, where it was checked
+            return
+        if mode.name == BLOCKING:
+            self.references[mode.name] = snapshots
             result.equality = "bitwise"
             return
-        bitwise, error = _compare(self.reference, snapshots)
+        if mode.reference not in self.references:
+            result.status, result.equality = "differs", "differs"
+            result.detail = f"no results of {mode.reference}, which this mode is checked against (it did not run)"
+            return
+        bitwise, error = _compare(self.references[mode.reference], snapshots)
+        if mode.name in REFERENCES:
+            self.references[mode.name] = snapshots
         result.max_rel_error = error
+        limit = tolerance(mode, self.sizes.dtype)
         if bitwise:
             result.equality = "bitwise"
-        elif mode.equality == "close" and error <= CLOSE_TOLERANCE[self.sizes.dtype]:
+        elif mode.equality == "close" and error <= limit:
             result.equality = "close"
         else:
             result.equality = "differs"
             result.status = "differs"
-            expected = "bitwise" if mode.equality == "bitwise" else f"within {CLOSE_TOLERANCE[self.sizes.dtype]:g}"
+            expected = "bitwise" if mode.equality == "bitwise" else f"within {limit:g}"
             result.detail = (
-                f"outputs/gradients differ from blocking on rank {self.rank}: relative error {error:.3g}, "
+                f"outputs/gradients differ from {mode.reference} on rank {self.rank}: relative error {error:.3g}, "
                 f"expected {expected}"
             )
 
@@ -466,7 +482,7 @@ def run_modes(
     deep_ep_error = f"deep_ep does not import: {missing}" if missing else deep_ep_shape_error(sizes.hidden)
     results: dict[str, ModeResult] = {}
     for _ in range(sizes.repeat):
-        for mode in sorted(modes, key=lambda m: m.name != BLOCKING):  # the reference first
+        for mode in sorted(modes, key=lambda m: REFERENCES.index(m.name) if m.name in REFERENCES else len(REFERENCES)):
             starting(mode.name)
             why = None
             if mode.graph and device.type != "cuda":

@@ -7,6 +7,7 @@ the mode's overrides), so what differs between two rows of the bench is the disp
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from typing import TYPE_CHECKING, Optional
@@ -110,9 +111,20 @@ class MoEStack(torch.nn.Module):
 
     def forward(self, x):
         out = x
-        for layer in self.layers:
-            out = out + layer(x)[0]
+        with fp8_context(self.config):
+            for layer in self.layers:
+                out = out + layer(x)[0]
         return out
+
+
+def fp8_context(config):
+    """Megatron's fp8 context for `config` (Transformer Engine's autocast with its recipe), as a
+    TransformerBlock enters it around its layers; nothing without fp8."""
+    if not getattr(config, "fp8", None):
+        return contextlib.nullcontext()
+    from megatron.core.fp8_utils import get_fp8_context
+
+    return get_fp8_context(config)
 
 
 def make_inputs(sizes: Sizes, rank: int, count: int, device: torch.device) -> list[torch.Tensor]:
