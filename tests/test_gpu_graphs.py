@@ -189,3 +189,65 @@ def test_an_overflow_inside_a_replayed_full_iteration_graph_is_rerun_and_recaptu
     finally:
         graph.reset_cuda_graph()
         tracker.clear()
+
+
+def _transformer_layer(config, seed: int):
+    """One TransformerLayer (attention + a MoE layer with megatron-ext's GroupedMLP), Megatron's
+    local spec; with `cuda_graph_impl='local'` in `config` it holds Megatron's per-layer graph manager."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.spec_utils import build_module
+
+    spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=True)
+    torch.manual_seed(seed)
+    return build_module(spec, config=config, layer_number=1).cuda()
+
+
+def _schedule_ending_in_capture(**kwargs):
+    """`_schedule`, ended as Megatron's schedules end a step under `--cuda-graph-impl local`: by
+    capturing what the step recorded (megatron-ext's patch skips that during a re-run)."""
+    from megatron.core.pipeline_parallel import schedules
+
+    losses = _schedule(**kwargs)
+    if kwargs["model"][0].config.cuda_graph_impl == "local":
+        schedules.create_cudagraphs()
+    return losses
+
+
+def test_an_overflow_under_per_layer_graphs_is_rerun_and_captured_again(megatron):
+    """`--cuda-graph-impl local` (the whole layer) with the re-run policy, on Megatron's own graph
+    manager. Steps: 0 records (calibrates) and is captured at its end; 1 replays; before 2 the
+    graphs are deleted and the capacity cut below the rows (on one rank rows never outgrow a
+    calibrated capacity), so 2 overflows: the policy deletes the graphs, re-runs it eagerly and
+    blocking without capturing, and grows the capacity; 3 records and is captured again; 4
+    replays. Every step's loss and gradients equal a blocking layer's."""
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.cuda_graphs import _CudagraphGlobalRecord, delete_cuda_graphs
+
+    import megatron_ext.patches as patches
+    from megatron_ext.recovery import OverflowRerun
+
+    model_parallel_cuda_manual_seed(1, use_cudagraphable_rng=True, force_reset_rng=True)
+    shape = dict(hidden_size=HIDDEN, num_attention_heads=4, moe_grouped_gemm=True)
+    graphed = _transformer_layer(_config("torch", **shape, cuda_graph_impl="local"), seed=5)
+    blocking = _transformer_layer(make_config(1, **FLEX, **shape, moe_hybridep_implementation="torch"), seed=6)
+    copy_weights(graphed, blocking)
+    manager = graphed.mlp.token_dispatcher.capacity_manager
+    inputs = step_inputs(0, 5, TOKENS, HIDDEN, seed=23)
+    with patches.patched(dispatcher=False, experts=False, arguments=False, training=True):
+        rerun = OverflowRerun(_schedule_ending_in_capture)
+        try:
+            for step, x in enumerate(inputs):
+                if step == 2:
+                    delete_cuda_graphs()
+                    manager.capacity = 64  # below the TOKENS x top-k rows every dispatch makes here
+                loss, grads = _train_step(graphed, rerun, x)
+                expected_loss, expected_grads = _train_step(blocking, _schedule, x)
+                assert torch.equal(loss, expected_loss), step
+                assert grads.keys() == expected_grads.keys()
+                assert all(torch.equal(grads[n], expected_grads[n]) for n in grads), step
+                assert _CudagraphGlobalRecord.cudagraph_created == (step != 2), step
+        finally:
+            delete_cuda_graphs()
+    assert rerun.reruns == 1 and manager.capacity > 64
+    # The calibration and the re-run: every other dispatch (the captures' too) was non-blocking.
+    assert manager.stats.blocking_dispatches == 2
