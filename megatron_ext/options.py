@@ -256,16 +256,6 @@ def _check_graphs(config: Any, options: HybridEPOptions) -> None:
             f"{where} with {CAPACITY_FACTOR_FLAG}: --cuda-graph-warmup-steps 0 would capture the first step, whose "
             "calibration dispatch is blocking (it reads the host); use --cuda-graph-warmup-steps 1 or more."
         )
-    ep = getattr(config, "expert_model_parallel_size", 1) or 1
-    if impl == "transformer_engine" and ep > 1:
-        # TECudaGraphHelper captures from `get_layer_static_inputs`: torch.ones hidden states.
-        raise HybridEPConfigError(
-            f"{where} with {CAPACITY_FACTOR_FLAG} and --expert-model-parallel-size {ep}: Megatron captures "
-            "Transformer Engine's per-layer graphs from synthetic inputs (every token the same), which send "
-            "every token to the same top-k experts, so the ranks holding them receive more rows than the "
-            "calibrated capacity and the dispatch stops at its overflow check during the capture. Use "
-            "--cuda-graph-impl local or full_iteration, which capture from the step's own tokens."
-        )
     if impl == "transformer_engine" and options.overflow_policy == "rerun":
         # Transformer Engine's graphs are made once, at the end of the warm-up steps, by a helper
         # of Megatron's training loop that megatron-ext cannot call again after a capacity grows.

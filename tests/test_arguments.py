@@ -643,11 +643,6 @@ CAPACITY_EQUAL = ["--moe-hybridep-capacity-factor", "1.5", "--moe-hybridep-equal
             ["--cuda-graph-impl", "transformer_engine", "--cuda-graph-modules", "moe", *CAPACITY_EQUAL],
             ["--cuda-graph-impl transformer_engine --cuda-graph-modules moe", "--moe-hybridep-overflow-policy fail"],
         ),
-        (
-            ["--cuda-graph-impl", "transformer_engine", *CAPACITY_EQUAL, "--moe-hybridep-overflow-policy", "fail"]
-            + ["--expert-model-parallel-size", "2"],
-            ["--expert-model-parallel-size 2", "synthetic inputs", "--cuda-graph-impl local or full_iteration"],
-        ),
     ],
     ids=[
         "moe-and-router",
@@ -658,7 +653,6 @@ CAPACITY_EQUAL = ["--moe-hybridep-capacity-factor", "1.5", "--moe-hybridep-equal
         "no-warmup",
         "te-whole-layer-rerun",
         "te-moe-rerun",
-        "te-expert-parallel",
     ],
 )
 def test_patched_parse_args_refuses_graphs_that_cannot_hold_the_dispatch(patched, monkeypatch, capsys, extra, expected):
