@@ -122,6 +122,20 @@ def capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
+def megatron_graph_warmup() -> bool:
+    """Whether Megatron is running a graphed module eagerly on stand-in inputs before capturing it:
+    its per-layer graphs' warm-up (inputs of zeros) or Transformer Engine's capture helper (inputs
+    of ones). Every token of such an input routes alike, so with expert parallelism a few ranks
+    receive more rows than any real step sends them; the results are discarded."""
+    if capturing():  # the capture itself: what it records must check for overflows
+        return False
+    try:
+        from megatron.core.transformer import cuda_graphs
+    except ImportError:  # pragma: no cover - megatron-core is a dependency
+        return False
+    return cuda_graphs.is_graph_warmup() or cuda_graphs.is_graph_capturing()
+
+
 # The name of megatron-ext's per-layer metric in Megatron's MoE logging (console, TensorBoard, W&B).
 CAPACITY_USE_METRIC = "hybridep_capacity_use"
 
@@ -325,11 +339,15 @@ class HybridEPCapacityManager:
             capacity = rows  # combine's backward dispatches exactly these rows, non-blocking
         else:
             self.stats.non_blocking_dispatches += 1
-            counters = self._device_counters(dispatched.device)
-            self._assert_no_overflow(handle, counters)
-            device_rows = self.tokens_per_expert.sum()  # the rows it produced, on the device (never read here)
-            torch.maximum(counters.rows_used, device_rows, out=counters.rows_used)
-            self._record_capacity_use(device_rows)
+            # Under Megatron's graph warm-up the tokens are stand-ins and the results discarded: their
+            # overflow is none of training's and their rows say nothing of the headroom. The capture
+            # that follows records the checks for every replay.
+            if not megatron_graph_warmup():
+                counters = self._device_counters(dispatched.device)
+                self._assert_no_overflow(handle, counters)
+                device_rows = self.tokens_per_expert.sum()  # the rows it produced, on the device (never read)
+                torch.maximum(counters.rows_used, device_rows, out=counters.rows_used)
+                self._record_capacity_use(device_rows)
         self._inflight = InFlight(buffer, handle, capacity, self._num_tokens)
         return dispatched
 

@@ -430,7 +430,39 @@ def a_rerun_that_runs_no_blocking_dispatch_stops_the_job(rank, world):
     assert len(calls) == 3 and not manager.force_blocking and not manager.record_overflow
 
 
+def megatron_graph_warmup_leaves_the_overflow_check_and_counters_alone(rank, world):
+    """Megatron runs a graphed module eagerly on stand-in inputs before capturing it (zeros for its
+    per-layer graphs, ones in Transformer Engine's capture helper): every token routes alike, so
+    with expert parallelism some rank receives more rows than a real step sends it. Such a warm-up
+    neither stops at the overflow check nor counts rows or overflows; the same step outside a
+    warm-up does overflow (at 2 ranks), which is what the check is there for."""
+    import torch.distributed as dist
+    from megatron.core.transformer import cuda_graphs
+
+    layer, _, manager = _layers(world)
+    inputs = step_inputs(rank, 1, 32, HIDDEN, seed=29)
+    _step(layer, inputs)  # calibrates
+    stand_in = [torch.zeros_like(inputs[0])]
+    overflows, rows = manager.overflows.clone(), manager.rows_used.clone()
+    cuda_graphs._set_warmup_start()
+    try:
+        _step(layer, stand_in)  # the fail policy: an overflow counted here would stop on the device
+    finally:
+        cuda_graphs._set_warmup_end()
+    assert torch.equal(manager.overflows, overflows) and torch.equal(manager.rows_used, rows)
+    assert manager.stats.non_blocking_dispatches == 1
+    manager.record_overflow = True
+    try:
+        _step(layer, stand_in)
+    finally:
+        manager.record_overflow = False
+    overflowed = (manager.overflows - overflows).reshape(1).clone()
+    dist.all_reduce(overflowed)
+    assert int(overflowed) > 0 if world > 1 else int(overflowed) == 0, (world, int(overflowed))
+
+
 CHECKS = (
+    megatron_graph_warmup_leaves_the_overflow_check_and_counters_alone,
     a_rerun_that_runs_no_blocking_dispatch_stops_the_job,
     per_layer_graphs_rerun_eagerly_and_are_captured_again,
     routing_shift_mid_training_is_survived_bitwise,
