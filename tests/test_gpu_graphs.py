@@ -194,12 +194,19 @@ def test_an_overflow_inside_a_replayed_full_iteration_graph_is_rerun_and_recaptu
 def _transformer_layer(config, seed: int):
     """One TransformerLayer (attention + a MoE layer with megatron-ext's GroupedMLP), Megatron's
     local spec; with `cuda_graph_impl='local'` in `config` it holds Megatron's per-layer graph manager."""
+    import functools
+
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.spec_utils import build_module
 
-    spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=True)
+    from megatron_ext.bench.stack import experts_spec
+
+    spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False)
+    moe = spec.submodules.mlp  # functools.partial(MoELayer, submodules=...): the same experts in both layers
+    spec.submodules.mlp = functools.partial(moe.func, submodules=experts_spec("grouped", config.num_moe_experts))
     torch.manual_seed(seed)
-    return build_module(spec, config=config, layer_number=1).cuda()
+    layer = build_module(spec, config=config, layer_number=1)
+    return layer.cuda() if torch.cuda.is_available() else layer
 
 
 def _schedule_ending_in_capture(**kwargs):
@@ -227,7 +234,7 @@ def test_an_overflow_under_per_layer_graphs_is_rerun_and_captured_again(megatron
     from megatron_ext.recovery import OverflowRerun
 
     model_parallel_cuda_manual_seed(1, use_cudagraphable_rng=True, force_reset_rng=True)
-    shape = dict(hidden_size=HIDDEN, num_attention_heads=4, moe_grouped_gemm=True)
+    shape = dict(hidden_size=HIDDEN, num_attention_heads=4)
     graphed = _transformer_layer(_config("torch", **shape, cuda_graph_impl="local"), seed=5)
     blocking = _transformer_layer(make_config(1, **FLEX, **shape, moe_hybridep_implementation="torch"), seed=6)
     copy_weights(graphed, blocking)
