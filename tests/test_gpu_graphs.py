@@ -220,6 +220,23 @@ def _schedule_ending_in_capture(**kwargs):
     return losses
 
 
+def _train_step_with_main_grad(layer, func, batch: torch.Tensor):
+    """`_train_step` for a layer under Megatron's per-layer graphs, whose backward graph adds the
+    weight gradients into each parameter's `main_grad` (Megatron's DDP buffers; made here once, as
+    the graph keeps the tensor it captured): a step's gradients are `.grad` where it ran eagerly,
+    `main_grad` where it replayed."""
+    for p in layer.parameters():
+        if not hasattr(p, "main_grad"):
+            p.main_grad = torch.zeros_like(p)
+        p.main_grad.zero_()
+        p.grad = None
+    losses = func(
+        model=[layer], data_iterator=iter([{"x": batch}]), num_microbatches=1, seq_length=TOKENS, forward_only=False
+    )
+    grads = {n: (p.grad if p.grad is not None else p.main_grad).clone() for n, p in layer.named_parameters()}
+    return losses[0].clone(), grads
+
+
 def test_an_overflow_under_per_layer_graphs_is_rerun_and_captured_again(megatron):
     """`--cuda-graph-impl local` (the whole layer) with the re-run policy, on Megatron's own graph
     manager. Steps: 0 records (calibrates) and is captured at its end; 1 replays; before 2 the
@@ -234,7 +251,7 @@ def test_an_overflow_under_per_layer_graphs_is_rerun_and_captured_again(megatron
     from megatron_ext.recovery import OverflowRerun
 
     model_parallel_cuda_manual_seed(1, use_cudagraphable_rng=True, force_reset_rng=True)
-    shape = dict(hidden_size=HIDDEN, num_attention_heads=4)
+    shape = dict(hidden_size=HIDDEN, num_attention_heads=4, attention_dropout=0.0, hidden_dropout=0.0)
     graphed = _transformer_layer(_config("torch", **shape, cuda_graph_impl="local"), seed=5)
     blocking = _transformer_layer(make_config(1, **FLEX, **shape, moe_hybridep_implementation="torch"), seed=6)
     copy_weights(graphed, blocking)
@@ -247,7 +264,7 @@ def test_an_overflow_under_per_layer_graphs_is_rerun_and_captured_again(megatron
                 if step == 2:
                     delete_cuda_graphs()
                     manager.capacity = 64  # below the TOKENS x top-k rows every dispatch makes here
-                loss, grads = _train_step(graphed, rerun, x)
+                loss, grads = _train_step_with_main_grad(graphed, rerun, x)
                 expected_loss, expected_grads = _train_step(blocking, _schedule, x)
                 assert torch.equal(loss, expected_loss), step
                 assert grads.keys() == expected_grads.keys()
