@@ -434,3 +434,23 @@ def test_te_op_fuser_experts_are_checked_with_the_fp8_recipe_megatron_trains_wit
             else:
                 assert "drop --use-transformer-engine-op-fuser" in message and "fp8 recipe" not in message
     assert asked == [(recipe, torch.bfloat16), (None, torch.bfloat16)]
+
+
+def test_every_runtime_symbol_is_where_this_megatron_core_keeps_it():
+    assert {feature for _, feature in patches.RUNTIME_SYMBOLS} <= set(patches.FEATURES)
+    for symbol, _ in patches.RUNTIME_SYMBOLS:
+        assert patches.resolve(symbol) is not None, symbol
+
+
+def test_a_moved_runtime_symbol_patches_nothing(originals, monkeypatch):
+    missing = "megatron.core.transformer.cuda_graphs.no_such_function"
+    monkeypatch.setattr(patches, "RUNTIME_SYMBOLS", (*patches.RUNTIME_SYMBOLS, (missing, "training")))
+
+    with pytest.raises(patches.MovedSymbolError) as err:
+        patches.apply()
+
+    assert f"`{missing}`" in str(err.value) and f"megatron-core {compat.megatron_core_version()}" in str(err.value)
+    assert patches.applied() == ()
+    assert_stock(originals)
+    assert patches.apply(training=False)  # the feature that needs it is the one refused
+    patches.revert()

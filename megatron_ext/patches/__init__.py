@@ -9,8 +9,9 @@ it does not import Megatron-Core; `apply()` does.
     ...
     megatron_ext.patches.revert()       # or: with megatron_ext.patches.patched(): ...
 
-`apply()` checks the megatron-core version, resolves every target before changing any (so a
-moved symbol patches nothing), replaces each attribute below, and logs it by its dotted name.
+`apply()` checks the megatron-core version, resolves every target and every symbol megatron-ext
+looks up at run time (`RUNTIME_SYMBOLS`) before changing any (so a moved symbol patches nothing),
+replaces each attribute below, and logs it by its dotted name.
 Applying twice is harmless; `revert()` puts every original back.
 
 Patched attributes, by feature:
@@ -153,6 +154,26 @@ PATCHES: tuple[_Patch, ...] = (
 )
 FEATURES = ("dispatcher", "experts", "arguments", "training")
 
+# The Megatron-Core symbols megatron-ext's modules look up while a model builds or trains, by the
+# feature that needs them: `apply()` resolves them with the patch targets, before changing
+# anything, so a release that moved one is refused with its name, never an AttributeError in a step.
+RUNTIME_SYMBOLS: tuple[tuple[str, str], ...] = (
+    ("megatron.core.transformer.moe.token_dispatcher.MoEFlexTokenDispatcher", "dispatcher"),
+    ("megatron.core.transformer.moe.moe_utils.get_align_size_for_quantization", "dispatcher"),
+    ("megatron.core.transformer.moe.moe_logging.get_moe_metrics_tracker", "dispatcher"),
+    ("megatron.core.transformer.cuda_graphs.is_graph_warmup", "dispatcher"),
+    ("megatron.core.transformer.cuda_graphs.is_graph_capturing", "dispatcher"),
+    ("megatron.core.transformer.moe.experts.TEGroupedMLP", "experts"),
+    ("megatron.core.transformer.moe.moe_utils.get_default_pg_collection", "experts"),
+    ("megatron.core.fp8_utils.get_fp8_recipe", "experts"),
+    ("megatron.core.transformer.utils.make_sharded_object_for_checkpoint", "experts"),
+    ("megatron.core.transformer.enums.CudaGraphModule", "arguments"),
+    ("megatron.training.argument_utils.ArgumentGroupFactory", "arguments"),
+    ("megatron.core.utils.get_model_config", "training"),
+    ("megatron.core.transformer.moe.moe_utils.clear_aux_losses_tracker", "training"),
+    ("megatron.core.transformer.cuda_graphs.delete_cuda_graphs", "training"),
+)
+
 # target -> (owner, attribute, original), for what is applied now
 _applied: dict[str, tuple[Any, str, Any]] = {}
 
@@ -174,6 +195,9 @@ def apply(*, dispatcher: bool = True, experts: bool = True, arguments: bool = Tr
     """
     check_megatron_version()
     wanted = {"dispatcher": dispatcher, "experts": experts, "arguments": arguments, "training": training}
+    for symbol, feature in RUNTIME_SYMBOLS:
+        if wanted[feature]:
+            resolve(symbol)  # MovedSymbolError naming it and the version
     todo = [p for p in PATCHES if wanted[p.feature] and p.target not in _applied]
     owners = []
     for patch in todo:
@@ -232,6 +256,7 @@ def patched(**features: bool) -> Iterator[list[str]]:
 __all__ = [
     "FEATURES",
     "PATCHES",
+    "RUNTIME_SYMBOLS",
     "SUPPORTED_MEGATRON_CORE",
     "MovedSymbolError",
     "UnsupportedMegatronError",
