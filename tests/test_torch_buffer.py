@@ -28,6 +28,7 @@ CASES = (
     (32, 16, 4, None, torch.bfloat16, True),
     (5, 4, 3, 4, torch.float32, False),
     (16, 8, 8, 4, torch.float32, False),
+    (20, 8, 2, 256, torch.bfloat16, False),  # fp8 with TE's op-fuser experts: Megatron pads experts to 256 rows
 )
 HIDDEN = 16
 TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=3e-2)}
@@ -424,9 +425,10 @@ def test_exact_nonblocking_path(results, check):
 
 
 def test_cases_cover_the_issue():
-    """Top-k 1 to 8, pad_multiple None/4/16, bf16 and fp32, an expert receiving nothing."""
+    """Top-k 1 to 8, pad_multiple None/4/16/256 (256: fp8 with TE's op-fuser experts), bf16 and
+    fp32, an expert receiving nothing."""
     assert {c[2] for c in CASES} >= {1, 8}
-    assert {c[3] for c in CASES} == {None, 4, 16}
+    assert {c[3] for c in CASES} == {None, 4, 16, 256}
     assert {c[4] for c in CASES} == {torch.float32, torch.bfloat16}
     assert any(c[5] for c in CASES)
     assert all(c[1] % math.lcm(*WORLD_SIZES) == 0 for c in CASES)
