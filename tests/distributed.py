@@ -20,13 +20,19 @@ def _one_thread(rank, world_size, fn, *args):
     fn(rank, world_size, *args)
 
 
+# How long a spawned rank waits in one collective before its group fails the test: the slowest
+# legitimate wait here (a rank under Triton's interpreter while the others wait) is a few minutes
+# on 2 cores; a rank that died or hung fails the test after this, not after torch's 30 minutes.
+COLLECTIVE_TIMEOUT_S = 600
+
+
 def run_ranks(world_size: int, fn, *args, backend: str = "gloo") -> None:
     """Call fn(rank, world_size, *args) on `world_size` spawned processes; re-raise the first failure.
 
     `fn` must be importable (a module-level function of a test module). With backend "nccl" rank i
     runs on GPU i. (`megatron_ext.tooling.ranks.run_on_ranks`.)
     """
-    run_on_ranks(_one_thread, world_size, fn, *args, backend=backend)
+    run_on_ranks(_one_thread, world_size, fn, *args, backend=backend, timeout_s=COLLECTIVE_TIMEOUT_S)
 
 
 @contextlib.contextmanager
