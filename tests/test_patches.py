@@ -454,3 +454,30 @@ def test_a_moved_runtime_symbol_patches_nothing(originals, monkeypatch):
     assert_stock(originals)
     assert patches.apply(training=False)  # the feature that needs it is the one refused
     patches.revert()
+
+
+def test_every_megatron_symbol_imported_inside_a_function_is_a_runtime_symbol():
+    """The imports megatron-ext's modules make when a function runs (after `apply()` checked the
+    release) must be in RUNTIME_SYMBOLS: a symbol a later release moved is then named at `apply()`.
+    (Module-level imports fail when `apply()` imports the module; the bench and tools are not
+    training code.)"""
+    import ast
+    from pathlib import Path
+
+    listed = {symbol for symbol, _ in patches.RUNTIME_SYMBOLS}
+    package = Path(patches.__file__).parent.parent
+    unlisted = []
+    for path in sorted(package.rglob("*.py")):
+        if {"bench", "tooling"} & set(path.relative_to(package).parts):
+            continue
+        for function in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(function):
+                if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("megatron."):
+                    for alias in node.names:
+                        symbol = f"{node.module}.{alias.name}"
+                        # A module imported whole: the functions used from it are listed.
+                        if symbol not in listed and not any(s.startswith(symbol + ".") for s in listed):
+                            unlisted.append(f"{path.relative_to(package)}:{node.lineno} {symbol}")
+    assert not unlisted, unlisted
