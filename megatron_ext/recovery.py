@@ -129,7 +129,7 @@ def drop_per_layer_graphs(why: str) -> None:
 def _eager_under_per_layer_graphs() -> Iterator[None]:
     """A step run eagerly where per-layer graphs were replayed: the graphs are deleted before it
     (the modules then run their eager forward, recording), the schedule's capture is skipped, and
-    what the step recorded is deleted after it."""
+    what the step recorded is dropped after it."""
     global _capture_paused
     from megatron.core.transformer.cuda_graphs import delete_cuda_graphs
 
@@ -139,7 +139,7 @@ def _eager_under_per_layer_graphs() -> Iterator[None]:
         yield
     finally:
         _capture_paused = False
-        delete_cuda_graphs()
+        drop_per_layer_graphs("a step re-ran after an overflow")
 
 
 def _replayable(data_iterator: Any, num_microbatches: int) -> Callable[[], Any]:
@@ -293,12 +293,6 @@ class OverflowRerun:
                 manager.grow_capacity(manager.blocking_rows_max, "a re-run after an overflow needed")
             if graph is not None:
                 drop_graphs(graph)
-            elif per_layer_graphs:
-                logger.log(
-                    once_per_job(logging.WARNING),
-                    "megatron-ext: the per-layer CUDA graphs were dropped for the re-run; the next step runs "
-                    "eagerly at the new capacities and is captured again at its end.",
-                )
             return result
         finally:
             for manager in managers:

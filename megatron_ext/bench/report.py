@@ -218,8 +218,9 @@ COLUMNS = (
         "vs blocking",
         _vs_blocking,
         "outputs, input gradients and every parameter gradient of {check_steps} steps against blocking's (the "
-        "reference): 'bitwise', 'close E' (a mode that sums in another order, within the tolerance; E: the "
-        "largest relative error), 'differs E' (the run fails), 'failed', or 'skipped' (why: under the table).",
+        "reference; for the fp8 modes, against blocking+te+fp8's): 'bitwise', 'close E' (a mode that sums in "
+        "another order, within the tolerance; E: the largest relative error), 'differs E' (the run fails), "
+        "'failed', or 'skipped' (why: under the table).",
         keep=98,
     ),
     Column(
