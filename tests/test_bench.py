@@ -41,7 +41,11 @@ OUR_MODES = (
     "capacity+equal+rerun",
 )
 DEEP_EP_MODES = ("deep_ep", "deep_ep+capacity+equal+reuse", "deep_ep+capacity+equal+reuse+rerun")
-GRAPH_MODES = ("capacity+equal+graph", "deep_ep+capacity+equal+reuse+graph")  # GPU only: skipped here
+GRAPH_MODES = (  # GPU only: skipped here
+    "capacity+equal+graph",
+    "deep_ep+capacity+equal+reuse+graph",
+    "capacity+equal+te+graph",
+)
 HAS_DEEP_EP = importlib.util.find_spec("deep_ep") is not None
 
 
@@ -79,7 +83,7 @@ def test_every_mode_runs_and_equals_blocking(full_run):
     assert report["sizes"]["size"] == "small" and report["sizes"]["layers"] == LAYERS
     assert f"size small: {LAYERS} MoE layers" in stdout
     names = [m["name"] for m in report["modes"]]
-    te_modes = ["megatron+te", "blocking+te", "capacity+equal+te"]
+    te_modes = ["megatron+te", "blocking+te", "capacity+equal+te", GRAPH_MODES[2]]
     ours = [*OUR_MODES[:3], GRAPH_MODES[0], *OUR_MODES[3:]]  # each +graph mode right after its eager twin
     deep_ep = [*DEEP_EP_MODES[:2], GRAPH_MODES[1], DEEP_EP_MODES[2]]
     assert names == ["megatron", *ours, *deep_ep, *te_modes]
@@ -90,7 +94,7 @@ def test_every_mode_runs_and_equals_blocking(full_run):
     if not HAS_DEEP_EP:
         for name in DEEP_EP_MODES:
             assert _mode(report, name)["status"] == "skipped" and "deep_ep" in _mode(report, name)["detail"]
-    for name in te_modes:  # CPU ranks: TE's experts need a GPU
+    for name in te_modes[:3]:  # CPU ranks: TE's experts need a GPU
         assert _mode(report, name)["status"] == "skipped" and "CUDA GPU" in _mode(report, name)["detail"]
     for name in GRAPH_MODES:  # CPU ranks: skipped for the device, whatever is installed
         assert _mode(report, name)["status"] == "skipped", name
@@ -107,7 +111,7 @@ def test_every_mode_runs_and_equals_blocking(full_run):
     )
     for name in names:
         assert name in stdout
-    assert "skipped: capacity+equal+graph, deep_ep+capacity+equal+reuse+graph (CUDA graphs need a GPU)" in stdout
+    assert f"skipped: {', '.join(GRAPH_MODES)} (CUDA graphs need a GPU)" in stdout
     # The legend only with --explain; a one-line hint instead.
     assert "--explain: what each column means" in stdout and "modes:" not in lines and "columns (" not in stdout
     assert "OK: outputs and gradients equal blocking's" in stdout
