@@ -28,6 +28,7 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from types import SimpleNamespace
 from typing import Any, Optional
 
 import torch
@@ -478,7 +479,13 @@ def run_modes(
 
     rank, world_size = dist.get_rank(), dist.get_world_size()
     runner = _Runner(sizes, rank, world_size, device, progress)
+    from megatron_ext.patches._moe_layer import te_expert_count_error
+
     missing, te_error = deep_ep_import_error(), te_import_error()
+    # TE's op-fuser experts run one grouped GEMM over a rank's experts, which has a limit.
+    fuser_error = te_expert_count_error(
+        SimpleNamespace(num_moe_experts=sizes.experts, expert_model_parallel_size=world_size)
+    )
     deep_ep_error = f"deep_ep does not import: {missing}" if missing else deep_ep_shape_error(sizes.hidden)
     results: dict[str, ModeResult] = {}
     for _ in range(sizes.repeat):
@@ -491,6 +498,8 @@ def run_modes(
                 why = deep_ep_error
             elif mode.needs_te and te_error is not None:
                 why = te_error
+            elif mode.experts == "te-op-fuser" and fuser_error is not None:
+                why = fuser_error
             if why is not None:
                 results[mode.name] = ModeResult(mode.name, status="skipped", detail=why)
                 for _ in range(sizes.steps_per_mode):

@@ -60,11 +60,36 @@ def _fp8_recipe(config: Any) -> Any:
     return get_fp8_recipe(config)
 
 
+# TE 2.20's graph-safe grouped GEMM takes per-expert weights (Megatron's default: one parameter per
+# expert) as a list of at most this many tensors (`kMaxGroups` in its cublaslt_grouped_gemm.cu); more
+# fail inside the first forward. One grouped weight (`--moe-single-grouped-weight`) has no such limit.
+TE_MAX_EXPERTS_PER_GEMM = 64
+
+
+def te_expert_count_error(config: Any) -> str | None:
+    """Why TE's op-fuser experts cannot run `config`'s local experts in one grouped GEMM, or None."""
+    local = config.num_moe_experts // max(getattr(config, "expert_model_parallel_size", 1) or 1, 1)
+    if local <= TE_MAX_EXPERTS_PER_GEMM or getattr(config, "moe_single_grouped_weight", False):
+        return None
+    return (
+        f"Transformer Engine's grouped GEMM (op fuser) takes at most {TE_MAX_EXPERTS_PER_GEMM} per-expert weights, "
+        f"and each rank holds {local} experts (--num-experts {config.num_moe_experts} over "
+        f"--expert-model-parallel-size {getattr(config, 'expert_model_parallel_size', 1)}): raise "
+        f"--expert-model-parallel-size to hold at most {TE_MAX_EXPERTS_PER_GEMM} per rank, or pass "
+        "--moe-single-grouped-weight with NVTE_GROUPED_LINEAR_SINGLE_PARAM=1"
+    )
+
+
 def _check_te_takes_device_counts(config: Any) -> None:
     """TE's op fuser keeps the counts on the device only on its graph-safe grouped GEMM. Elsewhere
     (older TE or cuBLASLt, fp32, an fp8 recipe it has no grouped quantization for) it reads them on
     the host and splits the rows by them, which fails on capacity mode's extra rows deep in a step:
-    refuse here instead, with the fix."""
+    refuse here instead, with the fix. Too many local experts for its grouped GEMM are refused too."""
+    from megatron_ext.options import HybridEPConfigError
+
+    too_many = te_expert_count_error(config)
+    if too_many is not None:
+        raise HybridEPConfigError(f"--use-transformer-engine-op-fuser: {too_many}.")
     try:
         from transformer_engine.pytorch.ops.basic.grouped_linear import is_op_fuser_grouped_tensor_path_supported
     except ImportError as exc:
@@ -79,8 +104,6 @@ def _check_te_takes_device_counts(config: Any) -> None:
             f"TE's graph-safe grouped GEMM does not run here for {what} (it needs bf16 or fp16 and, on Hopper, "
             "cuBLASLt >= 13.4; fp8 tensorwise >= 13.5, blockwise >= 13.6)"
         )
-    from megatron_ext.options import HybridEPConfigError
-
     raise HybridEPConfigError(
         f"--moe-hybridep-capacity-factor with --use-transformer-engine-op-fuser: {reason}, so TE would read "
         "the expert counts on the host and split the rows by them, which fails on capacity mode's extra rows. "
