@@ -379,7 +379,11 @@ def test_capacity_mode_refuses_te_op_fuser_that_would_read_counts_on_the_host():
 
     te = MoESubmodules(experts=functools.partial(TEGroupedMLP, submodules=None))
     config = types.SimpleNamespace(
-        moe_hybridep_capacity_factor=1.5, use_transformer_engine_op_fuser=True, params_dtype=torch.bfloat16
+        moe_hybridep_capacity_factor=1.5,
+        use_transformer_engine_op_fuser=True,
+        params_dtype=torch.bfloat16,
+        num_moe_experts=64,
+        expert_model_parallel_size=1,
     )
     with _fake_te_grouped_path(supported=False) as calls, pytest.raises(HybridEPConfigError) as refused:
         select_experts(config, te)
@@ -422,7 +426,7 @@ def test_te_op_fuser_experts_are_checked_with_the_fp8_recipe_megatron_trains_wit
     recipe = Float8BlockScaling()
     monkeypatch.setattr(_moe_layer, "_fp8_recipe", lambda config: recipe if config.fp8 else None)
     for fp8 in ("e4m3", None):
-        config = types.SimpleNamespace(params_dtype=torch.bfloat16, fp8=fp8)
+        config = types.SimpleNamespace(params_dtype=torch.bfloat16, fp8=fp8, num_moe_experts=8)
         if supported:
             _moe_layer._check_te_takes_device_counts(config)
         else:
@@ -434,6 +438,50 @@ def test_te_op_fuser_experts_are_checked_with_the_fp8_recipe_megatron_trains_wit
             else:
                 assert "drop --use-transformer-engine-op-fuser" in message and "fp8 recipe" not in message
     assert asked == [(recipe, torch.bfloat16), (None, torch.bfloat16)]
+
+
+@pytest.mark.parametrize(
+    ("experts", "ep", "single_weight", "refused"),
+    [
+        (64, 1, False, False),
+        (128, 1, False, True),
+        (128, 2, False, False),
+        (256, 2, False, True),
+        (128, 1, True, False),
+    ],
+)
+def test_te_op_fuser_experts_beyond_its_grouped_gemm_limit_are_refused_before_the_first_step(
+    monkeypatch, experts, ep, single_weight, refused
+):
+    """TE 2.20's grouped GEMM takes at most 64 per-expert weights (seen on an H200: 128 fail inside
+    the first forward); more local experts are refused at the layer build, with the two fixes,
+    before TE is even asked about the dtype. One grouped weight has no such limit."""
+    import types
+
+    from megatron_ext.options import HybridEPConfigError
+    from megatron_ext.patches import _moe_layer
+
+    asked = []
+    module = types.ModuleType("transformer_engine.pytorch.ops.basic.grouped_linear")
+    module.is_op_fuser_grouped_tensor_path_supported = lambda recipe, dtype: asked.append(dtype) or True
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    config = types.SimpleNamespace(
+        params_dtype=torch.bfloat16,
+        fp8=None,
+        num_moe_experts=experts,
+        expert_model_parallel_size=ep,
+        moe_single_grouped_weight=single_weight,
+    )
+    if not refused:
+        _moe_layer._check_te_takes_device_counts(config)
+        assert asked == [torch.bfloat16]
+        return
+    with pytest.raises(HybridEPConfigError) as error:
+        _moe_layer._check_te_takes_device_counts(config)
+    message = str(error.value)
+    assert f"each rank holds {experts // ep} experts" in message and "at most 64" in message
+    assert "--expert-model-parallel-size" in message and "--moe-single-grouped-weight" in message
+    assert asked == []
 
 
 def test_every_runtime_symbol_is_where_this_megatron_core_keeps_it():
