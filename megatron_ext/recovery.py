@@ -25,7 +25,8 @@ before (`--moe-hybridep-overflow-policy fail` keeps that inside the loop too).
 With per-layer graphs (`--cuda-graph-impl local`, of the whole layer or `--cuda-graph-modules
 moe`), Megatron's schedule records each graphed module's first pass and captures them all at the
 step's end (`create_cudagraphs`); a later step replays them. An overflow's re-run deletes the
-graphs first (`delete_cuda_graphs`: the modules run eagerly again, recording), runs with blocking
+graphs first (`delete_cuda_graphs`, and every graph manager's runners, which Megatron's delete
+leaves in place once captured: the modules run eagerly again, recording), runs with blocking
 dispatches while the schedule's capture is skipped (`capture_paused`: a blocking dispatch cannot
 be captured), and deletes what it recorded: the next step records at the new capacities, eagerly
 (compiling kernels for their sizes), and captures at its end. A capacity grown for thin headroom
@@ -111,12 +112,10 @@ def capture_paused() -> bool:
     return _capture_paused
 
 
-def drop_per_layer_graphs(why: str) -> None:
-    """Delete Megatron's per-layer graphs and what they recorded: the next step records its
-    graphed modules again, eagerly, and the schedule captures them at that step's end."""
-    from megatron.core.transformer.cuda_graphs import delete_cuda_graphs
-
-    delete_cuda_graphs()
+def drop_per_layer_graphs(chunks: Iterable[torch.nn.Module], why: str) -> None:
+    """Delete Megatron's per-layer graphs of `chunks` and what they recorded: the next step records
+    its graphed modules again, eagerly, and the schedule captures them at that step's end."""
+    _delete_per_layer_graphs(chunks)
     logger.log(
         once_per_job(logging.WARNING),
         "megatron-ext: %s: the per-layer CUDA graphs are dropped; the next step runs eagerly at the new "
@@ -125,21 +124,37 @@ def drop_per_layer_graphs(why: str) -> None:
     )
 
 
+def _delete_per_layer_graphs(chunks: Iterable[torch.nn.Module]) -> None:
+    """Megatron's `delete_cuda_graphs`, and what it leaves behind. It resets only the runners still
+    in its record, which a capture empties: the runners of graphs already captured would keep
+    their recorded state, so the modules would run eagerly but never record, and no graph would be
+    captured again. Every graph manager in `chunks` forgets its runners (the next step makes new
+    ones, which record), and the shared memory pool that the delete released is made again."""
+    from megatron.core.transformer.cuda_graphs import CudaGraphManager, delete_cuda_graphs
+
+    delete_cuda_graphs()
+    for chunk in chunks:
+        for module in chunk.modules():
+            if isinstance(module, CudaGraphManager):
+                module.cudagraph_runners = []
+                module.custom_cudagraphs_lookup_table.clear()
+    if CudaGraphManager.global_mempool is None and torch.cuda.is_available():
+        CudaGraphManager.global_mempool = torch.cuda.graph_pool_handle()
+
+
 @contextlib.contextmanager
-def _eager_under_per_layer_graphs() -> Iterator[None]:
+def _eager_under_per_layer_graphs(chunks: Iterable[torch.nn.Module]) -> Iterator[None]:
     """A step run eagerly where per-layer graphs were replayed: the graphs are deleted before it
     (the modules then run their eager forward, recording), the schedule's capture is skipped, and
     what the step recorded is dropped after it."""
     global _capture_paused
-    from megatron.core.transformer.cuda_graphs import delete_cuda_graphs
-
-    delete_cuda_graphs()
+    _delete_per_layer_graphs(chunks)
     _capture_paused = True
     try:
         yield
     finally:
         _capture_paused = False
-        drop_per_layer_graphs("a step re-ran after an overflow")
+        drop_per_layer_graphs(chunks, "a step re-ran after an overflow")
 
 
 def _replayable(data_iterator: Any, num_microbatches: int) -> Callable[[], Any]:
@@ -271,7 +286,7 @@ class OverflowRerun:
                     if grown and graph is not None:
                         drop_graphs(graph)
                     elif grown and per_layer_graphs:
-                        drop_per_layer_graphs("a capacity grew (headroom half used)")
+                        drop_per_layer_graphs(chunks, "a capacity grew (headroom half used)")
                 return result
             self.reruns += 1
             logger.log(
@@ -286,7 +301,7 @@ class OverflowRerun:
                 manager.force_blocking, manager.blocking_rows_max = True, 0
             kwargs["data_iterator"] = step_input()
             blocking_before = [m.stats.blocking_dispatches for m in managers]
-            with _eager_under_per_layer_graphs() if per_layer_graphs else contextlib.nullcontext():
+            with _eager_under_per_layer_graphs(chunks) if per_layer_graphs else contextlib.nullcontext():
                 result = (eager or step)(**kwargs)
             _check_rerun_was_eager(managers, blocking_before)
             for manager in managers:

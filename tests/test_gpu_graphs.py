@@ -247,10 +247,10 @@ def test_an_overflow_under_per_layer_graphs_is_rerun_and_captured_again(megatron
     blocking without capturing, and grows the capacity; 3 records and is captured again; 4
     replays. Every step's loss and gradients equal a blocking layer's."""
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-    from megatron.core.transformer.cuda_graphs import _CudagraphGlobalRecord, delete_cuda_graphs
+    from megatron.core.transformer.cuda_graphs import _CudagraphGlobalRecord
 
     import megatron_ext.patches as patches
-    from megatron_ext.recovery import OverflowRerun
+    from megatron_ext.recovery import OverflowRerun, drop_per_layer_graphs
 
     model_parallel_cuda_manual_seed(1, use_cudagraphable_rng=True, force_reset_rng=True)
     shape = dict(num_attention_heads=4, attention_dropout=0.0, hidden_dropout=0.0)
@@ -266,21 +266,29 @@ def test_an_overflow_under_per_layer_graphs_is_rerun_and_captured_again(megatron
         try:
             for step, x in enumerate(inputs):
                 if step == 2:
-                    delete_cuda_graphs()
+                    drop_per_layer_graphs([graphed], "the test cuts the capacity")
                     manager.capacity = 64  # below the TOKENS x top-k rows every dispatch makes here
                 loss, grads = _train_step_with_main_grad(graphed, rerun, x)
                 expected_loss, expected_grads = _train_step(blocking, _schedule, x)
                 assert torch.equal(loss, expected_loss), step
                 assert grads.keys() == expected_grads.keys()
+                params = dict(graphed.named_parameters())
                 differ = {
-                    n: (float((grads[n].float() - expected_grads[n].float()).abs().max()), bool(grads[n].any()))
+                    n: (
+                        float((grads[n].float() - expected_grads[n].float()).abs().max()),
+                        params[n].grad is None,
+                        float(params[n].main_grad.float().sum()),
+                        float(expected_grads[n].float().sum()),
+                    )
                     for n in grads
                     if not torch.equal(grads[n], expected_grads[n])
                 }
-                assert not differ, f"step {step}: gradients differ (max abs difference, any nonzero): {differ}"
+                assert not differ, (
+                    f"step {step}: gradients differ (max diff, .grad None, main_grad sum, expected sum): {differ}"
+                )
                 assert _CudagraphGlobalRecord.cudagraph_created == (step != 2), step
         finally:
-            delete_cuda_graphs()
+            drop_per_layer_graphs([graphed], "the test ends")
     assert rerun.reruns == 1 and manager.capacity > 64
     # The calibration and the re-run: every other dispatch (the captures' too) was non-blocking.
     assert manager.stats.blocking_dispatches == 2

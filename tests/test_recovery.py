@@ -371,6 +371,17 @@ def per_layer_graphs_rerun_eagerly_and_are_captured_again(rank, world):
 
     layer, blocking, manager = _layers(world)
     layer.config.cuda_graph_impl = "local"  # read per step by the policy; the layer was built without graphs
+    # A graph manager as Megatron's modules hold them (made without its __init__, which needs CUDA),
+    # with a runner of a captured graph: Megatron's delete leaves such runners in place, so the
+    # drop must make the manager forget them, or nothing would record and be captured again.
+    graphs = cuda_graphs.CudaGraphManager.__new__(cuda_graphs.CudaGraphManager)
+    torch.nn.Module.__init__(graphs)
+    layer.stand_in_graph_manager = graphs  # not `cudagraph_manager`, which would route the layer's calls
+
+    def captured_runner():
+        graphs.cudagraph_runners, graphs.custom_cudagraphs_lookup_table = ["runner"], {"key": "runner"}
+
+    captured_runner()
     events = []
     capture = patches._create_cudagraphs(lambda: events.append("capture"))
 
@@ -391,6 +402,8 @@ def per_layer_graphs_rerun_eagerly_and_are_captured_again(rank, world):
         manager.calibrated_rows, manager.capacity = calibrated - 8, calibrated + 4  # thin headroom, as above
         _assert_same_step(_step(blocking, inputs[:1]), _step(layer, inputs[:1], runner))
         assert events == ["capture", "capture", "delete"] and (runner.reruns, runner.resizes) == (0, 1)
+        assert graphs.cudagraph_runners == [] and not graphs.custom_cudagraphs_lookup_table
+        captured_runner()
         events.clear()
         manager.capacity = 4
         _assert_same_step(_step(blocking, inputs[1:]), _step(layer, inputs[1:], runner))
@@ -398,6 +411,7 @@ def per_layer_graphs_rerun_eagerly_and_are_captured_again(rank, world):
         # between two deletions, without a capture.
         assert events == ["capture", "delete", "delete"], events
         assert runner.reruns == 1 and manager.capacity > 4 and not recovery.capture_paused()
+        assert graphs.cudagraph_runners == [] and not graphs.custom_cudagraphs_lookup_table
         layer.config.cuda_graph_impl = "none"  # without graphs: nothing deleted, the re-run's capture not skipped
         events.clear()
         manager.capacity = 4
