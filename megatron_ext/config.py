@@ -69,6 +69,16 @@ class HybridEPTransformerConfig(TransformerConfig):
     NCCL group of 2+ ranks on one node where torch's NVSHMEM is available, process_group otherwise;
     the choice is logged."""
 
+    moe_hybridep_static_expert_splits: bool = False
+    """[megatron-ext] Capacity mode for experts that split their rows by counts read on the host
+    (Megatron's TEGroupedMLP without --use-transformer-engine-op-fuser, which fp8 with
+    --fp8-recipe delayed needs, and SequentialMLP): each local expert gets a fixed row budget,
+    ceil(its calibrated rows x the capacity factor) for the layer's largest expert (EP-group max),
+    aligned; its rows fill the start of it and zero rows the rest. The experts get these budgets
+    as their counts, host constants, so nothing is read on the host after calibration. An expert
+    over its budget is an overflow like a capacity's (re-run and growth, or the device assert).
+    Costs one copy of the rows each way and the memory of every expert's budget."""
+
     def __post_init__(self):
         # Megatron refuses `--cuda-graph-modules moe` for every MoE but drop-and-pad ones (a dropless
         # layer reads its counts on the host). Capacity mode with equal token counts reads none after

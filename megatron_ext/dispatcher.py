@@ -47,6 +47,7 @@ import torch.distributed as dist
 from megatron.core.transformer.moe.moe_utils import get_align_size_for_quantization
 from megatron.core.transformer.moe.token_dispatcher import MoEFlexTokenDispatcher, MoETokenDispatcher
 
+from megatron_ext import budget as budgets
 from megatron_ext.capacity import capacity_from_rows, equal_count_padding
 from megatron_ext.hybridep import autograd, overflow_flag
 from megatron_ext.hybridep.buffers import get_buffer
@@ -94,6 +95,8 @@ class InFlight:
     # its rows. Combine's backward dispatches non-blocking with it as its capacity.
     capacity: int
     num_tokens: int  # this rank's tokens before padding
+    # With static expert splits, a non-blocking dispatch's map to and from the budget layout.
+    budget_map: Optional[budgets.BudgetMap] = None
 
 
 @dataclass(frozen=True)
@@ -191,6 +194,11 @@ class HybridEPCapacityManager:
         self.record_overflow = False
         self.force_blocking = False
         self.blocking_rows_max = 0
+        # Static expert splits: each local expert's row budget (EP-group max, set at calibration),
+        # the counts handed to the experts ([budget] * L, on the host), and a re-run's largest expert.
+        self.expert_budget: Optional[int] = None
+        self._budget_counts: Optional[torch.Tensor] = None
+        self.blocking_expert_rows_max = 0
         # Set by megatron_ext.recovery in Megatron's training loop: each forward dispatch records
         # its rows / capacity in Megatron's MoE metrics (a device add, no read).
         self.log_metrics = False
@@ -328,27 +336,35 @@ class HybridEPCapacityManager:
         )
         # Consumed: kept past the step, the probs would keep their autograd history (the router's) alive.
         self.token_probs = None
+        budget_map = None
         if capacity is None:
             self.stats.blocking_dispatches += 1
             rows = dispatched.shape[0]  # known on the host once a blocking dispatch returns
             self.blocking_rows_max = max(self.blocking_rows_max, rows)
+            if self.options.static_expert_splits:  # a blocking dispatch has synchronised: one more read is free
+                largest = int(self.tokens_per_expert.max()) if self.tokens_per_expert.numel() else 0
+                self.blocking_expert_rows_max = max(self.blocking_expert_rows_max, largest)
             if self.capacity is not None and self.log_metrics:  # a re-run: rows against the capacity outgrown
                 self._record_capacity_use(torch.full((), rows, dtype=torch.float32, device=dispatched.device))
             if self.options.capacity_factor is not None and self.capacity is None:
                 self._calibrate(rows, dispatched.device)
+                if self.options.static_expert_splits:
+                    self.grow_budget(self.blocking_expert_rows_max, "calibrated")
             capacity = rows  # combine's backward dispatches exactly these rows, non-blocking
         else:
             self.stats.non_blocking_dispatches += 1
             # Under Megatron's graph warm-up the tokens are stand-ins and the results discarded: their
             # overflow is none of training's and their rows say nothing of the headroom. The capture
             # that follows records the checks for every replay.
+            if self.options.static_expert_splits:
+                budget_map = budgets.budget_map(self.tokens_per_expert, capacity, self._expert_budget())
             if not megatron_graph_warmup():
                 counters = self._device_counters(dispatched.device)
-                self._assert_no_overflow(handle, counters)
+                self._assert_no_overflow(handle, counters, budget_map)
                 device_rows = self.tokens_per_expert.sum()  # the rows it produced, on the device (never read)
                 torch.maximum(counters.rows_used, device_rows, out=counters.rows_used)
                 self._record_capacity_use(device_rows)
-        self._inflight = InFlight(buffer, handle, capacity, self._num_tokens)
+        self._inflight = InFlight(buffer, handle, capacity, self._num_tokens, budget_map)
         return dispatched
 
     def combine(self, hidden_states: torch.Tensor, async_finish: bool = True, allocate_on_comm_stream: bool = True):
@@ -357,6 +373,8 @@ class HybridEPCapacityManager:
         # The experts have taken them (Megatron reads them between dispatch and combine); dropped so
         # that no autograd history outlives the step.
         self.dispatched_probs = None
+        if inflight.budget_map is not None:
+            hidden_states = budgets.from_budget(hidden_states, inflight.budget_map)
         tokens = autograd.combine(
             inflight.buffer,
             hidden_states,
@@ -367,13 +385,52 @@ class HybridEPCapacityManager:
         return tokens[: inflight.num_tokens]
 
     def get_permuted_hidden_states_by_experts(self, hidden_states: torch.Tensor):
-        return hidden_states, self.dispatched_probs
+        plan = None if self._inflight is None else self._inflight.budget_map
+        if plan is None:
+            return hidden_states, self.dispatched_probs
+        probs = None if self.dispatched_probs is None else budgets.to_budget(self.dispatched_probs, plan)
+        return budgets.to_budget(hidden_states, plan), probs
 
     def get_restored_hidden_states_by_experts(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return hidden_states
+        return hidden_states  # static expert splits: `combine` maps the budget layout back
 
     def get_number_of_tokens_per_expert(self) -> torch.Tensor:
+        """The experts' counts: on the device, or with static expert splits after a non-blocking
+        dispatch the budgets, a CPU tensor (host constants: an expert that splits by them reads nothing)."""
+        if self._inflight is not None and self._inflight.budget_map is not None:
+            return self._budget_counts
         return self.tokens_per_expert
+
+    # ----------------------------------------------------------- static expert splits
+
+    def _expert_budget(self) -> int:
+        if self.expert_budget is None:  # a capacity set by hand, no calibration: the whole capacity
+            self.grow_budget(self.capacity, "no calibration: the capacity")
+        return self.expert_budget
+
+    def grow_budget(self, largest_rows: int, why: str) -> Optional[int]:
+        """Size each local expert's budget to the EP-group max of `largest_rows` (the largest expert's
+        rows) x the factor, aligned, if that is more than it has; return the new budget or None. One
+        all-reduce and one host read: between steps, or in a blocking dispatch, only. A CUDA graph
+        captured with the old budget must be dropped after (megatron_ext.recovery does)."""
+        self._refuse_under_capture("sizing the expert budgets (an all-reduce and a host read)")
+        rows = self._group_max(largest_rows)
+        budget = budgets.budget_from_rows(rows, self.options.capacity_factor, self.pad_multiple)
+        if self.expert_budget is not None and budget <= self.expert_budget:
+            return None
+        logger.log(
+            once_per_group(logging.INFO, self.group),
+            "megatron-ext: %s: expert budget %s -> %d rows each (%s: largest expert %d rows, EP-group max, x %s).",
+            self.name,
+            self.expert_budget,
+            budget,
+            why,
+            rows,
+            self.options.capacity_factor,
+        )
+        self.expert_budget = budget
+        self._budget_counts = torch.full((self.num_local_experts,), budget, dtype=torch.int64)
+        return budget
 
     # ----------------------------------------------------------- capacity mode
 
@@ -469,17 +526,22 @@ class HybridEPCapacityManager:
         dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=self.group)
         return int(largest.item())
 
-    def _assert_no_overflow(self, handle: Handle, counters: DeviceCounters) -> None:
+    def _assert_no_overflow(
+        self, handle: Handle, counters: DeviceCounters, budget_map: Optional[budgets.BudgetMap] = None
+    ) -> None:
         overflow = overflow_flag(handle)
+        if budget_map is not None:  # an expert over its budget is an overflow too
+            overflow = torch.maximum(overflow.to(torch.int32), budget_map.overflow)
         counters.overflows.add_(overflow.reshape(()).to(torch.int64))
         if self.record_overflow:
             return
         factor = self.options.capacity_factor
+        budget = "" if budget_map is None else f", or an expert more than its budget of {self.expert_budget}"
         torch._assert_async(
             overflow.eq(0),  # the one-element flag as it is (indexing it would cost the host a view)
             device_message(
-                f"megatron-ext: {self.name}: dispatch needed more than its capacity of {self.capacity} rows "
-                f"({self.calibrated_rows} calibrated x {factor}); stopped rather than train on truncated tokens. "
+                f"megatron-ext: {self.name}: dispatch needed more than its capacity of {self.capacity} rows"
+                f"{budget} ({factor} x calibrated); stopped rather than train on truncated tokens. "
                 f"Raise {flag('moe_hybridep_capacity_factor')} above {factor}."
             ),
         )

@@ -49,6 +49,7 @@ class HybridEPOptions:
     implementation: Implementation = AUTO
     overflow_policy: OverflowPolicy = "rerun"
     transport: Transport = AUTO
+    static_expert_splits: bool = False
 
     @classmethod
     def from_config(cls, config: Any) -> HybridEPOptions:
@@ -273,11 +274,32 @@ def _check_graphs(config: Any, options: HybridEPOptions) -> None:
 # device (TE 2.20: per-tensor current scaling on Hopper with cuBLASLt >= 13.5, block scaling on
 # Hopper with cuBLASLt >= 13.6); with any other recipe TE splits the rows by counts read on the host.
 FP8_RECIPES = ("tensorwise", "blockwise")
+# With static expert splits the experts split rows by host constants: TE's GroupedLinear quantizes
+# with any of Megatron's Hopper recipes then.
+STATIC_SPLITS_FP8_RECIPES = ("delayed", "tensorwise", "blockwise")
+STATIC_SPLITS_FLAG = flag(CONFIG_PREFIX + "static_expert_splits")
 
 
-def _check_quantized_experts(config: Any) -> None:
-    """Capacity mode with --fp8-format / --fp4-format: only experts that quantize with the counts on
-    the device, which are Transformer Engine's op-fuser experts with an fp8 recipe of FP8_RECIPES."""
+def _check_static_expert_splits(config: Any, options: HybridEPOptions) -> None:
+    if not options.static_expert_splits:
+        return
+    if options.capacity_factor is None:
+        raise HybridEPConfigError(
+            f"{STATIC_SPLITS_FLAG} gives capacity mode's experts a fixed row budget each; set {CAPACITY_FACTOR_FLAG} "
+            "too, or drop it (a blocking dispatch hands the experts exact counts anyway)."
+        )
+    if getattr(config, "use_transformer_engine_op_fuser", False):
+        raise HybridEPConfigError(
+            f"{STATIC_SPLITS_FLAG} is for experts that split their rows by counts read on the host (TEGroupedMLP "
+            "without the op fuser, SequentialMLP); --use-transformer-engine-op-fuser's experts take the counts on "
+            "the device. Drop one of the two."
+        )
+
+
+def _check_quantized_experts(config: Any, options: HybridEPOptions) -> None:
+    """Capacity mode with --fp8-format / --fp4-format: experts that quantize with the counts on the
+    device (Transformer Engine's op-fuser experts with an fp8 recipe of FP8_RECIPES), or, with
+    static expert splits, TE's TEGroupedMLP with a recipe of STATIC_SPLITS_FP8_RECIPES."""
     if getattr(config, "fp4", None):
         raise HybridEPConfigError(
             f"{CAPACITY_FACTOR_FLAG} with --fp4-format: Transformer Engine's grouped GEMM takes the expert counts "
@@ -288,10 +310,24 @@ def _check_quantized_experts(config: Any) -> None:
         return
     recipe = getattr(config, "fp8_recipe", None)
     recipe = str(getattr(recipe, "value", recipe))
+    if options.static_expert_splits:
+        if recipe not in STATIC_SPLITS_FP8_RECIPES:
+            raise HybridEPConfigError(
+                f"{CAPACITY_FACTOR_FLAG} {STATIC_SPLITS_FLAG} with --fp8-recipe {recipe}: megatron-ext has run "
+                f"fp8 with static expert splits for {', '.join(STATIC_SPLITS_FP8_RECIPES)} only (Hopper). Use one "
+                "of them, or drop --fp8-format."
+            )
+        if getattr(config, "transformer_impl", "transformer_engine") != "transformer_engine":
+            raise HybridEPConfigError(
+                f"{STATIC_SPLITS_FLAG} with --fp8-format: fp8 experts are Transformer Engine's TEGroupedMLP. Add "
+                "--transformer-impl transformer_engine --moe-grouped-gemm, or drop --fp8-format."
+            )
+        return
     if recipe not in FP8_RECIPES:
         why = {
             "delayed": "TE has no grouped quantization for delayed scaling, so its grouped GEMM would split the "
-            "rows by counts read on the host",
+            f"rows by counts read on the host (add {STATIC_SPLITS_FLAG} with TEGroupedMLP without the op fuser: "
+            "each expert then gets a fixed row budget, host constants)",
             "mxfp8": "TE's grouped GEMM takes the counts on the device for MXFP8 on Blackwell only, and "
             "megatron-ext has not run it",
         }.get(recipe, "TE's grouped GEMM does not take the counts on the device for it")
@@ -393,7 +429,8 @@ def validate(config: Any) -> HybridEPOptions:
                 f"itself and drops nothing; {'; '.join(dropping.values())}. (Or drop {capacity} to train with "
                 "Megatron's token-dropping MoE.)"
             )
-        _check_quantized_experts(config)
+        _check_quantized_experts(config, options)
+    _check_static_expert_splits(config, options)
 
     if options.equal_token_counts and getattr(config, "moe_hybridep_pad_uneven_dispatch_inputs", False):
         raise HybridEPConfigError(

@@ -299,6 +299,7 @@ class OverflowRerun:
                 _discard_gradients(chunks)
             for manager in managers:
                 manager.force_blocking, manager.blocking_rows_max = True, 0
+                manager.blocking_expert_rows_max = 0
             kwargs["data_iterator"] = step_input()
             blocking_before = [m.stats.blocking_dispatches for m in managers]
             with _eager_under_per_layer_graphs(chunks) if per_layer_graphs else contextlib.nullcontext():
@@ -306,6 +307,8 @@ class OverflowRerun:
             _check_rerun_was_eager(managers, blocking_before)
             for manager in managers:
                 manager.grow_capacity(manager.blocking_rows_max, "a re-run after an overflow needed")
+                if manager.options.static_expert_splits:
+                    manager.grow_budget(manager.blocking_expert_rows_max, "a re-run after an overflow needed")
             if graph is not None:
                 drop_graphs(graph)
             return result

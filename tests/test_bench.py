@@ -83,7 +83,7 @@ def test_every_mode_runs_and_equals_blocking(full_run):
     assert report["sizes"]["size"] == "small" and report["sizes"]["layers"] == LAYERS
     assert f"size small: {LAYERS} MoE layers" in stdout
     names = [m["name"] for m in report["modes"]]
-    te_modes = ["megatron+te", "blocking+te", "capacity+equal+te", GRAPH_MODES[2]]
+    te_modes = ["megatron+te", "blocking+te", "capacity+equal+te", GRAPH_MODES[2], "capacity+equal+static+te"]
     ours = [*OUR_MODES[:3], GRAPH_MODES[0], *OUR_MODES[3:]]  # each +graph mode right after its eager twin
     deep_ep = [*DEEP_EP_MODES[:2], GRAPH_MODES[1], DEEP_EP_MODES[2]]
     assert names == ["megatron", *ours, *deep_ep, *te_modes]
@@ -94,7 +94,7 @@ def test_every_mode_runs_and_equals_blocking(full_run):
     if not HAS_DEEP_EP:
         for name in DEEP_EP_MODES:
             assert _mode(report, name)["status"] == "skipped" and "deep_ep" in _mode(report, name)["detail"]
-    for name in te_modes[:3]:  # CPU ranks: TE's experts need a GPU
+    for name in [*te_modes[:3], te_modes[4]]:  # CPU ranks: TE's experts need a GPU
         assert _mode(report, name)["status"] == "skipped" and "CUDA GPU" in _mode(report, name)["detail"]
     for name in GRAPH_MODES:  # CPU ranks: skipped for the device, whatever is installed
         assert _mode(report, name)["status"] == "skipped", name
@@ -472,6 +472,29 @@ def test_fp8_modes_come_with_their_reference_and_need_the_recipe():
         select(["capacity+equal+te+fp8"], 1.5)
 
 
+@pytest.mark.parametrize("recipe", ["delayed", "tensorwise", "blockwise"])
+def test_every_fp8_mode_is_one_megatron_ext_accepts_for_its_recipe(recipe):
+    """Delayed scaling has no device-count grouped GEMM in TE: its capacity mode is the static
+    expert splits one alone (the op-fuser one would be refused); every mode's config validates."""
+    import argparse
+
+    from megatron_ext.bench.modes import FP8_REFERENCE, fp8_modes
+    from megatron_ext.options import validate
+
+    modes = fp8_modes(1.5, recipe)
+    expected = [FP8_REFERENCE, "capacity+equal+static+te+fp8"]
+    if recipe != "delayed":
+        expected.insert(1, "capacity+equal+te+fp8")
+    assert [m.name for m in modes] == expected
+    for mode in modes:
+        config = argparse.Namespace(transformer_impl="transformer_engine", moe_grouped_gemm=True, **mode.overrides)
+        validate(config)  # raises where megatron-ext would refuse the mode's flags
+        assert f"--fp8-recipe {recipe}" in mode.flags
+    static = modes[-1]
+    assert static.experts == "te" and static.overrides["moe_hybridep_static_expert_splits"]
+    assert "--moe-hybridep-static-expert-splits" in static.flags and static.reference == FP8_REFERENCE
+
+
 def test_fp8_modes_are_checked_against_their_own_blocking_twin():
     """The fp8 blocking mode against bf16 blocking within fp8's tolerance; fp8 capacity mode
     against the fp8 blocking mode, so that a bitwise match there is seen as one."""
@@ -479,7 +502,7 @@ def test_fp8_modes_are_checked_against_their_own_blocking_twin():
     from megatron_ext.bench.run import FP8_TOLERANCE, ModeResult, tolerance
 
     blocking = select([], 1.5)[1]
-    fp8_blocking, fp8_capacity = fp8_modes(1.5, "tensorwise")
+    fp8_blocking, fp8_capacity, _ = fp8_modes(1.5, "tensorwise")
     assert blocking.name == "blocking" and tolerance(fp8_capacity, "bf16") == FP8_TOLERANCE > tolerance(
         blocking, "bf16"
     )

@@ -151,3 +151,48 @@ def test_fp8_op_fuser_experts_in_capacity_mode_match_blocking_without_host_syncs
         f"\nfp8 {recipe}, TE op-fuser experts: capacity 2.0 + equal counts against blocking: bitwise {bitwise}, "
         f"worst relative error {worst:.3g}"
     )
+
+
+@pytest.mark.parametrize("recipe", [None, "delayed", "tensorwise"])
+def test_static_expert_splits_feed_te_unfused_experts_without_host_syncs(megatron, recipe):
+    """`--moe-hybridep-static-expert-splits`: Megatron's TEGroupedMLP without the op fuser (host
+    split sizes; the one TE path for fp8 delayed scaling) gets each expert's fixed budget as its
+    counts. Against the blocking dispatch with the same experts and recipe, which hands them the
+    exact counts (another GEMM shape per expert: close, not bitwise); no host read after calibration."""
+    from megatron.core.fp8_utils import get_fp8_context
+    from megatron.core.transformer.moe.experts import TEGroupedMLP
+
+    from megatron_ext.tooling.sync import forbid_host_sync
+
+    fp8 = {} if recipe is None else dict(fp8="e4m3", fp8_recipe=recipe)
+    static = _te_stack("te", 90, **CAPACITY, moe_hybridep_static_expert_splits=True, **fp8)
+    blocking = _te_stack("te", 90, **FLEX, **fp8)
+    copy_weights(blocking, static)
+    for layer in static.layers:
+        assert isinstance(layer.experts, TEGroupedMLP) and not layer.experts._with_fused_impl, type(layer.experts)
+    config = static.layers[0].config
+
+    def wrap(layer, x):
+        with get_fp8_context(config):
+            return layer(x)
+
+    inputs = _inputs(4)
+    expected = run_steps(blocking, inputs, wrap)
+    actual = run_steps(static, inputs[:1], wrap)
+    with forbid_host_sync():
+        actual += run_steps(static, inputs[1:], wrap)
+    torch.cuda.synchronize()
+    worst = 0.0
+    for step, ((out_a, dx_a, g_a), (out_b, dx_b, g_b)) in enumerate(zip(expected, actual, strict=True)):
+        pairs = [("output", out_a, out_b), ("input grad", dx_a, dx_b)]
+        pairs += [(f"grad {name}", g_a[name], g_b[name]) for name in g_a]
+        for what, a, b in pairs:
+            assert torch.isfinite(b).all(), f"{recipe} step {step}: {what} is not finite"
+            error = _relative_error(b, a)
+            worst = max(worst, error)
+            assert error <= 2e-2, f"{recipe} step {step}: {what}: relative error {error:.3g}"
+    for layer in static.layers:
+        manager = layer.token_dispatcher.capacity_manager
+        assert manager.stats.calibrations == 1 and manager.stats.non_blocking_dispatches == len(inputs) - 1
+        assert manager.expert_budget is not None and int(manager.overflows) == 0
+    print(f"\nstatic expert splits, TEGroupedMLP unfused, {recipe or 'bf16'}: worst relative error {worst:.3g}")

@@ -34,7 +34,7 @@ from megatron_ext.bench.report import WIDTH
 from megatron_ext.bench.sizes import DEFAULT_SIZE, SIZES, SizedParser, Sizes, describe_size
 from megatron_ext.bench.stack import DTYPES
 from megatron_ext.logs import log_with_rank_prefix
-from megatron_ext.options import FP8_RECIPES, capacity_factor_argument
+from megatron_ext.options import FP8_RECIPES, STATIC_SPLITS_FP8_RECIPES, capacity_factor_argument
 from megatron_ext.tooling.ranks import run_on_ranks, this_rank, under_torchrun
 
 
@@ -82,10 +82,11 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--modes", default=None, help="comma-separated modes to run (blocking always runs); default all")
     run.add_argument(
         "--fp8-recipe",
-        choices=FP8_RECIPES,
+        choices=STATIC_SPLITS_FP8_RECIPES,
         default=None,
-        help=f"add the fp8 modes ({FP8_REFERENCE} and capacity+equal+te+fp8: TE's op-fuser experts, e4m3, "
-        "this recipe; GPU with Transformer Engine)",
+        help=f"add the fp8 modes ({FP8_REFERENCE}, capacity+equal+te+fp8 with TE's op-fuser experts for "
+        f"{' or '.join(FP8_RECIPES)}, capacity+equal+static+te+fp8 with TEGroupedMLP and static expert splits; "
+        "e4m3, this recipe; GPU with Transformer Engine)",
     )
     run.add_argument("--steps", type=int, default=5, help="timed steps per mode (default 5)")
     run.add_argument("--check-steps", type=int, default=2, help="steps compared with blocking, per mode (default 2)")

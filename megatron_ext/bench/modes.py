@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from megatron_ext.options import FP8_RECIPES, STATIC_SPLITS_FLAG
+
 FLEX = dict(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="hybridep")
 
 
@@ -83,27 +85,45 @@ def fp8_modes(capacity_factor: float, recipe: str) -> tuple[Mode, ...]:
         "--moe-hybridep-implementation torch",
     )
     torch_impl = dict(FLEX, moe_hybridep_implementation="torch", use_transformer_engine_op_fuser=True, **fp8)
+    capacity_flags = (*flex, f"--moe-hybridep-capacity-factor {capacity_factor}", "--moe-hybridep-equal-token-counts")
+    capacity = dict(moe_hybridep_capacity_factor=capacity_factor, moe_hybridep_equal_token_counts=True)
+    static = Mode(
+        "capacity+equal+static+te+fp8",
+        f"as capacity+equal+static+te in fp8 ({recipe}), checked against {FP8_REFERENCE}",
+        (*capacity_flags, STATIC_SPLITS_FLAG, *TE_FLAGS, *fp8_flags),
+        dict(torch_impl, **capacity, moe_hybridep_static_expert_splits=True, use_transformer_engine_op_fuser=False),
+        equality="close",
+        experts="te",
+        reference=FP8_REFERENCE,
+        fp8_recipe=recipe,
+    )
+    if recipe not in FP8_RECIPES:  # TE's op-fuser experts would read the counts on the host: static splits only
+        return (_fp8_reference(recipe, flex, fp8_flags, torch_impl), static)
     return (
-        Mode(
-            FP8_REFERENCE,
-            f"as blocking+te in fp8 ({recipe}): the reference of the fp8 modes",
-            (*flex, *OP_FUSER_FLAGS, *fp8_flags),
-            torch_impl,
-            equality="close",
-            experts="te-op-fuser",
-            fp8_recipe=recipe,
-        ),
+        _fp8_reference(recipe, flex, fp8_flags, torch_impl),
         Mode(
             "capacity+equal+te+fp8",
             f"as capacity+equal+te in fp8 ({recipe}), checked against {FP8_REFERENCE}",
-            (*flex, f"--moe-hybridep-capacity-factor {capacity_factor}", "--moe-hybridep-equal-token-counts")
-            + (*OP_FUSER_FLAGS, *fp8_flags),
-            dict(torch_impl, moe_hybridep_capacity_factor=capacity_factor, moe_hybridep_equal_token_counts=True),
+            (*capacity_flags, *OP_FUSER_FLAGS, *fp8_flags),
+            dict(torch_impl, **capacity),
             equality="close",
             experts="te-op-fuser",
             reference=FP8_REFERENCE,
             fp8_recipe=recipe,
         ),
+        static,
+    )
+
+
+def _fp8_reference(recipe, flex, fp8_flags, torch_impl) -> Mode:
+    return Mode(
+        FP8_REFERENCE,
+        f"as blocking+te in fp8 ({recipe}): the reference of the fp8 modes",
+        (*flex, *OP_FUSER_FLAGS, *fp8_flags),
+        torch_impl,
+        equality="close",
+        experts="te-op-fuser",
+        fp8_recipe=recipe,
     )
 
 
@@ -232,6 +252,15 @@ def all_modes(capacity_factor: float, fp8_recipe: str | None = None) -> tuple[Mo
             dict(torch_impl, **factor, **equal, use_transformer_engine_op_fuser=True),
             equality="close",
             experts="te-op-fuser",
+        ),
+        Mode(
+            "capacity+equal+static+te",
+            "as capacity+equal, experts TEGroupedMLP without the op fuser, given a fixed row budget each "
+            "(static expert splits: host-constant counts)",
+            (*flex_flags, factor_flag, "--moe-hybridep-equal-token-counts", STATIC_SPLITS_FLAG, *TE_FLAGS),
+            dict(torch_impl, **factor, **equal, moe_hybridep_static_expert_splits=True),
+            equality="close",
+            experts="te",
         ),
     )
     if fp8_recipe is not None:

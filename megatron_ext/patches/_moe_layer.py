@@ -6,7 +6,8 @@ device. Megatron's SequentialMLP and TEGroupedMLP's unfused path read the counts
 split the rows by them, which both syncs and fails on the extra rows, so in capacity mode their
 spec is swapped for megatron-ext's `GroupedMLP` before the layer builds them (its parameters are
 named as TEGroupedMLP's). TEGroupedMLP is kept with `--use-transformer-engine-op-fuser`, whose
-path hands TE the counts on the device.
+path hands TE the counts on the device. With `--moe-hybridep-static-expert-splits` the experts are
+kept as they are: they get host-constant counts (`megatron_ext.budget`).
 """
 
 from __future__ import annotations
@@ -38,6 +39,17 @@ def select_experts(config: Any, submodules: Any) -> Any:
     from megatron_ext.experts import GroupedMLP
 
     built = _builder_class(submodules.experts)
+    if HybridEPOptions.from_config(config).static_expert_splits:
+        # The experts get host-constant counts: those that split on the host read nothing.
+        if isinstance(built, type) and issubclass(built, GroupedMLP):
+            from megatron_ext.options import HybridEPConfigError
+
+            raise HybridEPConfigError(
+                "--moe-hybridep-static-expert-splits hands the experts host-constant counts, for experts that split "
+                "their rows on the host; megatron_ext.experts.GroupedMLP takes the counts on the device and needs "
+                "no budgets. Drop --moe-hybridep-static-expert-splits."
+            )
+        return submodules
     if isinstance(built, type) and issubclass(built, GroupedMLP):
         return submodules
     if isinstance(built, type) and issubclass(built, TEGroupedMLP) and config.use_transformer_engine_op_fuser:
