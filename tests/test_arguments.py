@@ -181,6 +181,7 @@ def test_field_names():
         "moe_hybridep_implementation",
         "moe_hybridep_overflow_policy",
         "moe_hybridep_transport",
+        "moe_hybridep_static_expert_splits",
     )
     # the options the dispatcher reads are exactly these fields (options.py cannot import Megatron)
     from megatron_ext.options import CONFIG_PREFIX, OPTION_NAMES

@@ -323,9 +323,13 @@ def test_capacity_mode_selects_experts_that_take_device_counts():
     from megatron_ext.experts import GroupedMLP
     from megatron_ext.patches._moe_layer import select_experts
 
-    def config(factor, op_fuser=False):
+    def config(factor, op_fuser=False, static=False):
         return types.SimpleNamespace(
-            moe_hybridep_capacity_factor=factor, use_transformer_engine_op_fuser=op_fuser, params_dtype=torch.bfloat16
+            moe_hybridep_capacity_factor=factor,
+            moe_hybridep_static_expert_splits=static,
+            use_transformer_engine_op_fuser=op_fuser,
+            params_dtype=torch.bfloat16,
+            num_moe_experts=8,
         )
 
     sequential = MoESubmodules(experts=functools.partial(SequentialMLP, submodules=None))
@@ -337,6 +341,9 @@ def test_capacity_mode_selects_experts_that_take_device_counts():
     with _fake_te_grouped_path(supported=True):
         assert select_experts(config(1.5, op_fuser=True), te) is te  # TE's op-fuser path takes device counts
     assert select_experts(config(1.5), ours) is ours
+    # Static expert splits hand host-constant counts: the experts that split on the host stay.
+    assert select_experts(config(1.5, static=True), sequential) is sequential
+    assert select_experts(config(1.5, static=True), te) is te
     assert sequential.experts.func is SequentialMLP  # the shared spec itself is never changed
 
 
