@@ -494,11 +494,7 @@ CHECKS = (
 )
 
 
-def _worker(rank, world_size, out_dir):
-    run_megatron_checks(rank, world_size, out_dir, CHECKS)
-
-
-results = results_fixture(_worker, WORLD_SIZES)
+results = results_fixture(run_megatron_checks, WORLD_SIZES, CHECKS)
 
 
 @pytest.mark.parametrize("check", [c.__name__ for c in CHECKS])

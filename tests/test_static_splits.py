@@ -166,11 +166,7 @@ def over_budget_is_rerun_and_the_budget_grows(rank, world):
 CHECKS = [static_splits_equal_blocking, over_budget_stops_on_the_device, over_budget_is_rerun_and_the_budget_grows]
 
 
-def _worker(rank, world_size, out_dir):
-    run_megatron_checks(rank, world_size, out_dir, CHECKS)
-
-
-results = results_fixture(_worker, WORLD_SIZES)
+results = results_fixture(run_megatron_checks, WORLD_SIZES, CHECKS)
 
 
 @pytest.mark.parametrize("check", [c.__name__ for c in CHECKS])
