@@ -110,10 +110,12 @@ class DeviceCounters:
     rows_used: torch.Tensor
     # Non-blocking dispatches that overflowed since the layer was built (only grows).
     overflows: torch.Tensor
+    # With static expert splits: the most rows one local expert received, as `rows_used`.
+    expert_rows_used: torch.Tensor
 
     @classmethod
     def zeros(cls, device: torch.device) -> DeviceCounters:
-        return cls(*(torch.zeros((), dtype=torch.int64, device=device) for _ in range(2)))
+        return cls(*(torch.zeros((), dtype=torch.int64, device=device) for _ in range(3)))
 
 
 class GraphCaptureError(RuntimeError):
@@ -197,6 +199,7 @@ class HybridEPCapacityManager:
         # Static expert splits: each local expert's row budget (EP-group max, set at calibration),
         # the counts handed to the experts ([budget] * L, on the host), and a re-run's largest expert.
         self.expert_budget: Optional[int] = None
+        self.calibrated_expert_rows: Optional[int] = None  # the budget's rows before the factor (EP-group max)
         self._budget_counts: Optional[torch.Tensor] = None
         self.blocking_expert_rows_max = 0
         # Set by megatron_ext.recovery in Megatron's training loop: each forward dispatch records
@@ -239,10 +242,16 @@ class HybridEPCapacityManager:
         """`counters.overflows` (None before calibration)."""
         return None if self.counters is None else self.counters.overflows
 
+    @property
+    def expert_rows_used(self) -> Optional[torch.Tensor]:
+        """`counters.expert_rows_used` (None before calibration)."""
+        return None if self.counters is None else self.counters.expert_rows_used
+
     def reset_rows_used(self) -> None:
-        """Start a new maximum of rows used (in place: a captured graph keeps writing the same tensor)."""
+        """Start new maxima of rows used (in place: a captured graph keeps writing the same tensors)."""
         if self.counters is not None:
             self.counters.rows_used.zero_()
+            self.counters.expert_rows_used.zero_()
 
     def _refuse_under_capture(self, what: str) -> None:
         if not capturing():
@@ -363,6 +372,9 @@ class HybridEPCapacityManager:
                 self._assert_no_overflow(handle, counters, budget_map)
                 device_rows = self.tokens_per_expert.sum()  # the rows it produced, on the device (never read)
                 torch.maximum(counters.rows_used, device_rows, out=counters.rows_used)
+                if budget_map is not None:
+                    largest = self.tokens_per_expert.max().to(torch.int64)
+                    torch.maximum(counters.expert_rows_used, largest, out=counters.expert_rows_used)
                 self._record_capacity_use(device_rows)
         self._inflight = InFlight(buffer, handle, capacity, self._num_tokens, budget_map)
         return dispatched
@@ -417,6 +429,8 @@ class HybridEPCapacityManager:
         rows = self._group_max(largest_rows)
         budget = budgets.budget_from_rows(rows, self.options.capacity_factor, self.pad_multiple)
         if self.expert_budget is not None and budget <= self.expert_budget:
+            # Rounding kept the budget: count the rows as learned (as grow_capacity does).
+            self.calibrated_expert_rows = max(self.calibrated_expert_rows or 0, rows)
             return None
         logger.log(
             once_per_group(logging.INFO, self.group),
@@ -428,9 +442,16 @@ class HybridEPCapacityManager:
             rows,
             self.options.capacity_factor,
         )
-        self.expert_budget = budget
+        self.calibrated_expert_rows, self.expert_budget = rows, budget
         self._budget_counts = torch.full((self.num_local_experts,), budget, dtype=torch.int64)
         return budget
+
+    def budget_headroom_threshold(self) -> Optional[int]:
+        """Rows of one expert above which the budgets' headroom is thin (half of the room above the
+        calibrated rows used up); None without static expert splits or before their calibration."""
+        if self.expert_budget is None or self.calibrated_expert_rows is None:
+            return None
+        return self.calibrated_expert_rows + (self.expert_budget - self.calibrated_expert_rows) // 2
 
     # ----------------------------------------------------------- capacity mode
 

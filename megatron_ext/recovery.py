@@ -227,10 +227,13 @@ class OverflowRerun:
             if manager.overflows is not None:
                 new = manager.overflows if before is None else manager.overflows - before
                 flags[0] = torch.maximum(flags[0], (new.to(flags.device) > 0).to(torch.int32))
-            threshold = manager.headroom_threshold()
-            if manager.rows_used is not None and threshold is not None:
-                thin = (manager.rows_used.to(flags.device) > threshold).to(torch.int32)
-                flags[1] = torch.maximum(flags[1], thin)
+            for used, threshold in (
+                (manager.rows_used, manager.headroom_threshold()),
+                (manager.expert_rows_used, manager.budget_headroom_threshold()),
+            ):
+                if used is not None and threshold is not None:
+                    thin = (used.to(flags.device) > threshold).to(torch.int32)
+                    flags[1] = torch.maximum(flags[1], thin)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         overflowed, thin = flags.tolist()
         return bool(overflowed), bool(thin)
@@ -280,13 +283,18 @@ class OverflowRerun:
             if not overflowed:
                 if thin:  # grow before an overflow: the layers whose headroom is half used
                     used = [m for m in managers if m.rows_used is not None]
-                    capacities = [m.grow_capacity(m.rows_used, "headroom half used") for m in used]
-                    grown = any(capacity is not None for capacity in capacities)
+                    grown = [m.grow_capacity(m.rows_used, "headroom half used") for m in used]
+                    grown += [
+                        m.grow_budget(m.expert_rows_used, "headroom half used")
+                        for m in used
+                        if m.budget_headroom_threshold() is not None
+                    ]
+                    grown = any(size is not None for size in grown)
                     self.resizes += 1
                     if grown and graph is not None:
                         drop_graphs(graph)
                     elif grown and per_layer_graphs:
-                        drop_per_layer_graphs(chunks, "a capacity grew (headroom half used)")
+                        drop_per_layer_graphs(chunks, "a capacity or budget grew (headroom half used)")
                 return result
             self.reruns += 1
             logger.log(

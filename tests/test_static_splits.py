@@ -163,7 +163,35 @@ def over_budget_is_rerun_and_the_budget_grows(rank, world):
     assert rerun.reruns == 1 and manager.stats.non_blocking_dispatches == before + 1
 
 
-CHECKS = [static_splits_equal_blocking, over_budget_stops_on_the_device, over_budget_is_rerun_and_the_budget_grows]
+def thin_budget_headroom_grows_the_budget_before_an_overflow(rank, world):
+    """A step in which some expert used more than half the room above the calibrated rows: no
+    re-run, the budget grows after it (as the capacity does), the step equal to blocking's."""
+    from megatron_ext.recovery import OverflowRerun
+    from tests.test_recovery import _forward_backward, _step
+
+    static, blocking, manager = _layers(world)
+    inputs = step_inputs(rank, 1, 32, HIDDEN, seed=34)
+    rerun = OverflowRerun(_forward_backward)
+    _step(static, inputs, rerun)
+    largest = manager.calibrated_expert_rows  # the EP group's largest expert in that batch
+    assert largest >= 2
+    # As if calibrated on a batch that used half as many rows, with a budget just above this one's.
+    manager.calibrated_expert_rows, manager.expert_budget = 0, largest + 1
+    manager._budget_counts = torch.full((manager.num_local_experts,), largest + 1, dtype=torch.int64)
+    losses, _ = _step(static, inputs, rerun)  # the same batch: no expert over the budget, but past half
+    reference, _ = _step(blocking, inputs)
+    torch.testing.assert_close(losses[0], reference[0], rtol=1e-5, atol=1e-6)
+    assert (rerun.reruns, rerun.resizes) == (0, 1)
+    assert manager.expert_budget == budgets.budget_from_rows(largest, 2.0, manager.pad_multiple) > largest + 1
+    assert int(manager.expert_rows_used) <= largest + 1
+
+
+CHECKS = [
+    static_splits_equal_blocking,
+    over_budget_stops_on_the_device,
+    over_budget_is_rerun_and_the_budget_grows,
+    thin_budget_headroom_grows_the_budget_before_an_overflow,
+]
 
 
 results = results_fixture(run_megatron_checks, WORLD_SIZES, CHECKS)
