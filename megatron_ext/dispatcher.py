@@ -416,7 +416,7 @@ class HybridEPCapacityManager:
     # ----------------------------------------------------------- static expert splits
 
     def _expert_budget(self) -> int:
-        if self.expert_budget is None:  # a capacity set by hand, no calibration: the whole capacity
+        if self.expert_budget is None:  # a capacity set by hand, no calibration: no expert can exceed it
             self.grow_budget(self.capacity, "no calibration: the capacity")
         return self.expert_budget
 
@@ -562,7 +562,8 @@ class HybridEPCapacityManager:
             overflow.eq(0),  # the one-element flag as it is (indexing it would cost the host a view)
             device_message(
                 f"megatron-ext: {self.name}: dispatch needed more than its capacity of {self.capacity} rows"
-                f"{budget} ({factor} x calibrated); stopped rather than train on truncated tokens. "
+                f"{budget} ({self.calibrated_rows} calibrated x {factor}); stopped rather than train on truncated "
+                "tokens. "
                 f"Raise {flag('moe_hybridep_capacity_factor')} above {factor}."
             ),
         )
