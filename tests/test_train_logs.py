@@ -32,6 +32,10 @@ def test_a_log_that_stopped_early_differs():
     reference, short = train_logs.parse_log(_log(rows)), train_logs.parse_log(_log(rows[:3]))
     assert train_logs.first_difference(reference, short) == "logged iterations differ: 5 against 3"
     assert train_logs.first_difference(reference, reference) is None
+    # A run that failed before its first iteration (or a reference that did) is no match.
+    assert train_logs.first_difference(reference, {}) == "no iterations logged (see the run's log for why)"
+    assert train_logs.first_difference({}, {}).startswith("no iterations logged")
+    assert train_logs.first_difference({}, reference) == "the reference logged no iterations"
 
 
 def test_main_reads_files_named_by_run(tmp_path, capsys):

@@ -50,7 +50,12 @@ def step_ms(iterations: dict[int, dict[str, str]], skip: int) -> list[float]:
 
 
 def first_difference(reference: dict, other: dict) -> str | None:
-    """The first logged iteration and value (of `COMPARED`) where `other` differs; None if none."""
+    """The first logged iteration and value (of `COMPARED`) where `other` differs; None if none.
+    Two runs that logged nothing are not called identical."""
+    if not other:
+        return "no iterations logged (see the run's log for why)"
+    if not reference:
+        return "the reference logged no iterations"
     if sorted(reference) != sorted(other):
         return f"logged iterations differ: {len(reference)} against {len(other)}"
     for iteration in sorted(reference):
