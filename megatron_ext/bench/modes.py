@@ -64,7 +64,14 @@ FP8_REFERENCE = "blocking+te+fp8"
 # The modes that others are checked against, run first in this order.
 REFERENCES = (BLOCKING, FP8_REFERENCE)
 # The modes that have a `+graph` twin, listed right after them: the same flags, overrides and check.
-GRAPHED = ("capacity+equal", "deep_ep+capacity+equal+reuse", "capacity+equal+te", "capacity+equal+te+fp8")
+GRAPHED = (
+    "capacity+equal",
+    "deep_ep+capacity+equal+reuse",
+    "capacity+equal+te",
+    "capacity+equal+static+te",
+    "capacity+equal+te+fp8",
+    "capacity+equal+static+te+fp8",
+)
 GRAPH_SKIP_REASON = "CUDA graphs need a GPU"
 
 

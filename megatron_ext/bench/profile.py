@@ -29,6 +29,7 @@ import torch
 
 from megatron_ext.bench.counters import kernel_times
 from megatron_ext.bench.sizes import SIZE_FIELDS, SizedParser, fill_sizes
+from megatron_ext.options import STATIC_SPLITS_FP8_RECIPES
 
 
 @contextlib.contextmanager
@@ -144,6 +145,12 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=3, help="steps before profiling (default 3)")
     p.add_argument("--out", default="profile", help="folder for the tables and snapshots (default profile/)")
     p.add_argument("--top", type=int, default=25, help="rows per table (default 25)")
+    p.add_argument(
+        "--fp8-recipe",
+        choices=STATIC_SPLITS_FP8_RECIPES,
+        default=None,
+        help="make the bench's fp8 modes selectable, in this recipe (GPU with Transformer Engine)",
+    )
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU (it profiles GPU kernels)")
@@ -151,7 +158,7 @@ def main(argv=None) -> int:
     from megatron_ext.bench.stack import MoEStack, make_inputs, megatron_config
 
     try:
-        modes = [m for m in select(args.modes.split(",") if args.modes else None, args.capacity_factor)]
+        modes = list(select(args.modes.split(",") if args.modes else None, args.capacity_factor, args.fp8_recipe))
     except ValueError as error:
         p.error(str(error))
     os.makedirs(args.out, exist_ok=True)
