@@ -98,6 +98,18 @@ def results_fixture(worker, world_sizes, *args):
     return results
 
 
+def outcome_test(checks):
+    """A test with one case per check, which reads the check's outcome from the module's `results`
+    fixture (`results_fixture`). In a test module: `test_x = outcome_test(CHECKS)`."""
+
+    @pytest.mark.parametrize("check", [c.__name__ for c in checks])
+    def test(results, check):
+        _, outcomes = results
+        assert_ok(outcomes, check)
+
+    return test
+
+
 def assert_ok(results, name):
     assert name in results, f"check {name} never ran"
     assert results[name] == "ok", results[name]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed import assert_ok, results_fixture
+from tests.distributed import outcome_test, results_fixture
 from tests.megatron_env import FLEX, copy_weights, make_config, moe_layer, on_gpu, run_megatron_checks, step_inputs
 
 HIDDEN = 16
@@ -497,10 +497,7 @@ CHECKS = (
 results = results_fixture(run_megatron_checks, WORLD_SIZES, CHECKS)
 
 
-@pytest.mark.parametrize("check", [c.__name__ for c in CHECKS])
-def test_recovery(results, check):
-    _, outcomes = results
-    assert_ok(outcomes, check)
+test_recovery = outcome_test(CHECKS)
 
 
 def test_the_patch_wraps_the_schedule_of_megatrons_training_loop():

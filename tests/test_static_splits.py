@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ext import budget as budgets
-from tests.distributed import assert_ok, results_fixture
+from tests.distributed import outcome_test, results_fixture
 from tests.megatron_env import FLEX, copy_weights, make_config, moe_layer, run_megatron_checks, run_steps, step_inputs
 
 WORLD_SIZES = (1, 2, 4)
@@ -197,10 +197,7 @@ CHECKS = [
 results = results_fixture(run_megatron_checks, WORLD_SIZES, CHECKS)
 
 
-@pytest.mark.parametrize("check", [c.__name__ for c in CHECKS])
-def test_static_expert_splits(results, check):
-    _, outcomes = results
-    assert_ok(outcomes, check)
+test_static_expert_splits = outcome_test(CHECKS)
 
 
 # --------------------------------------------------------------------------- the flag's checks
