@@ -16,19 +16,9 @@ Pure tensor functions of fixed shapes (capturable in a CUDA graph); no host read
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
-
-
-def budget_from_rows(largest: int, factor: float, multiple: Optional[int]) -> int:
-    """The budget for experts whose largest calibrated segment has `largest` rows: ceil(largest x
-    factor), rounded up to `multiple` (the per-expert padding, None: 1), at least one `multiple`."""
-    step = multiple or 1
-    rows = max(math.ceil(largest * factor), 1)
-    return -(-rows // step) * step
 
 
 @dataclass(frozen=True)

@@ -35,17 +35,35 @@ def capacity_alignment(pad_multiple: Optional[int]) -> int:
     return math.lcm(CAPACITY_ALIGNMENT, pad_multiple or 1)
 
 
+def sized_rows(rows: int, factor: float, alignment: int, name: str) -> int:
+    """`ceil(rows x factor)` (exact on the factor's decimal value) rounded up to `alignment`, at
+    least one `alignment`: the rule of a capacity and of a static expert budget. `name`: the caller,
+    for errors."""
+    if rows < 0:
+        raise ValueError(f"{name}: `rows` must be >= 0; got {rows}.")
+    check_capacity_factor(factor, f"{name}: `factor`")
+    scaled = math.ceil(rows * Fraction(str(factor)))
+    return max(round_up(scaled, alignment), alignment)
+
+
 def capacity_from_rows(rows: int, factor: float, pad_multiple: Optional[int] = None) -> int:
     """Capacity for a layer whose largest calibration dispatch in the EP group made `rows` rows.
 
     `ceil(rows x factor)` rounded up to `capacity_alignment(pad_multiple)`, at least one unit.
     """
-    if rows < 0:
-        raise ValueError(f"capacity_from_rows: `rows` must be >= 0; got {rows}.")
-    check_capacity_factor(factor, "capacity_from_rows: `factor`")
-    alignment = capacity_alignment(pad_multiple)
-    scaled = math.ceil(rows * Fraction(str(factor)))
-    return max(round_up(scaled, alignment), alignment)
+    return sized_rows(rows, factor, capacity_alignment(pad_multiple), "capacity_from_rows")
+
+
+def budget_from_rows(largest: int, factor: float, pad_multiple: Optional[int] = None) -> int:
+    """Static expert splits: each local expert's row budget when the EP group's largest calibrated
+    expert segment has `largest` rows: the capacity's rule, aligned to the per-expert padding only."""
+    return sized_rows(largest, factor, pad_multiple or 1, "budget_from_rows")
+
+
+def half_headroom(calibrated: int, size: int) -> int:
+    """Rows above which a capacity (or a budget) sized from `calibrated` rows to `size` has used half
+    of its room: where megatron-ext's overflow policy grows it before an overflow."""
+    return calibrated + (size - calibrated) // 2
 
 
 def equal_count_padding(num_tokens: int, alignment: int) -> int:

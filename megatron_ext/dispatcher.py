@@ -48,7 +48,7 @@ from megatron.core.transformer.moe.moe_utils import get_align_size_for_quantizat
 from megatron.core.transformer.moe.token_dispatcher import MoEFlexTokenDispatcher, MoETokenDispatcher
 
 from megatron_ext import budget as budgets
-from megatron_ext.capacity import capacity_from_rows, equal_count_padding
+from megatron_ext.capacity import budget_from_rows, capacity_from_rows, equal_count_padding, half_headroom
 from megatron_ext.hybridep import autograd, overflow_flag
 from megatron_ext.hybridep.buffers import get_buffer
 from megatron_ext.hybridep.protocol import Handle, HybridEPBuffer
@@ -427,7 +427,7 @@ class HybridEPCapacityManager:
         captured with the old budget must be dropped after (megatron_ext.recovery does)."""
         self._refuse_under_capture("sizing the expert budgets (an all-reduce and a host read)")
         rows = self._group_max(largest_rows)
-        budget = budgets.budget_from_rows(rows, self.options.capacity_factor, self.pad_multiple)
+        budget = budget_from_rows(rows, self.options.capacity_factor, self.pad_multiple)
         if self.expert_budget is not None and budget <= self.expert_budget:
             # Rounding kept the budget: count the rows as learned (as grow_capacity does).
             self.calibrated_expert_rows = max(self.calibrated_expert_rows or 0, rows)
@@ -451,7 +451,7 @@ class HybridEPCapacityManager:
         calibrated rows used up); None without static expert splits or before their calibration."""
         if self.expert_budget is None or self.calibrated_expert_rows is None:
             return None
-        return self.calibrated_expert_rows + (self.expert_budget - self.calibrated_expert_rows) // 2
+        return half_headroom(self.calibrated_expert_rows, self.expert_budget)
 
     # ----------------------------------------------------------- capacity mode
 
@@ -506,7 +506,7 @@ class HybridEPCapacityManager:
         rows used up. None before calibration."""
         if self.capacity is None or self.calibrated_rows is None:
             return None
-        return self.calibrated_rows + (self.capacity - self.calibrated_rows) // 2
+        return half_headroom(self.calibrated_rows, self.capacity)
 
     def grow_capacity(self, local_rows: int | torch.Tensor, why: str) -> Optional[int]:
         """Size the capacity to the EP-group maximum of `local_rows` x the factor if that is more

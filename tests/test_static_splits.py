@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ext import budget as budgets
+from megatron_ext.capacity import budget_from_rows
 from tests.distributed import outcome_test, results_fixture
 from tests.megatron_env import FLEX, copy_weights, make_config, moe_layer, run_megatron_checks, run_steps, step_inputs
 
@@ -72,10 +73,11 @@ def test_budget_layout_matches_a_reference_forward_and_backward(seed):
 
 
 def test_budgets_round_up_to_the_padding():
-    assert budgets.budget_from_rows(10, 1.5, None) == 15
-    assert budgets.budget_from_rows(10, 1.5, 16) == 16
-    assert budgets.budget_from_rows(0, 2.0, 16) == 16  # an empty expert still gets room
-    assert budgets.budget_from_rows(100, 1.0, 128) == 128
+    assert budget_from_rows(10, 1.5, None) == 15
+    assert budget_from_rows(10, 1.5, 16) == 16
+    assert budget_from_rows(0, 2.0, 16) == 16  # an empty expert still gets room
+    assert budget_from_rows(100, 1.0, 128) == 128
+    assert budget_from_rows(100, 1.1, None) == 110  # exact on the factor, as a capacity (not 111)
 
 
 # --------------------------------------------------------------------------- real MoE layers
@@ -113,7 +115,7 @@ def static_splits_equal_blocking(rank, world):
     # The calibration's largest expert, as the EP group's maximum, x the factor: the budget.
     largest = [None] * world
     dist.all_gather_object(largest, manager.blocking_expert_rows_max)
-    assert manager.expert_budget == budgets.budget_from_rows(max(largest), 2.0, manager.pad_multiple)
+    assert manager.expert_budget == budget_from_rows(max(largest), 2.0, manager.pad_multiple)
     assert manager.stats.calibrations == 1 and manager.stats.non_blocking_dispatches == len(inputs) - 1
     # Step 0 calibrated (blocking: the exact counts, on the dispatch's device); every later
     # dispatch handed the experts the budgets as a CPU tensor: host constants, nothing to read.
@@ -182,7 +184,7 @@ def thin_budget_headroom_grows_the_budget_before_an_overflow(rank, world):
     reference, _ = _step(blocking, inputs)
     torch.testing.assert_close(losses[0], reference[0], rtol=1e-5, atol=1e-6)
     assert (rerun.reruns, rerun.resizes) == (0, 1)
-    assert manager.expert_budget == budgets.budget_from_rows(largest, 2.0, manager.pad_multiple) > largest + 1
+    assert manager.expert_budget == budget_from_rows(largest, 2.0, manager.pad_multiple) > largest + 1
     assert int(manager.expert_rows_used) <= largest + 1
 
 
