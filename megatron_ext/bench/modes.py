@@ -82,8 +82,9 @@ def graphed(mode: Mode) -> Mode:
 
 
 def fp8_modes(capacity_factor: float, recipe: str) -> tuple[Mode, ...]:
-    """Blocking and capacity mode with TE's op-fuser experts in fp8 (`recipe`, e4m3): capacity mode
-    checked against the blocking one, which is checked against bf16 `blocking` within fp8's tolerance."""
+    """The fp8 modes (`recipe`, e4m3): blocking with TE's op-fuser experts, checked against bf16
+    `blocking` within fp8's tolerance; capacity mode with those experts (the recipes whose grouped
+    GEMM takes device counts) and with TEGroupedMLP and static expert splits, both checked against it."""
     fp8 = dict(fp8="e4m3", fp8_recipe=recipe)
     fp8_flags = ("--fp8-format e4m3", f"--fp8-recipe {recipe}")
     flex = (
@@ -94,36 +95,8 @@ def fp8_modes(capacity_factor: float, recipe: str) -> tuple[Mode, ...]:
     torch_impl = dict(FLEX, moe_hybridep_implementation="torch", use_transformer_engine_op_fuser=True, **fp8)
     capacity_flags = (*flex, f"--moe-hybridep-capacity-factor {capacity_factor}", "--moe-hybridep-equal-token-counts")
     capacity = dict(moe_hybridep_capacity_factor=capacity_factor, moe_hybridep_equal_token_counts=True)
-    static = Mode(
-        "capacity+equal+static+te+fp8",
-        f"as capacity+equal+static+te in fp8 ({recipe}), checked against {FP8_REFERENCE}",
-        (*capacity_flags, STATIC_SPLITS_FLAG, *TE_FLAGS, *fp8_flags),
-        dict(torch_impl, **capacity, moe_hybridep_static_expert_splits=True, use_transformer_engine_op_fuser=False),
-        equality="close",
-        experts="te",
-        reference=FP8_REFERENCE,
-        fp8_recipe=recipe,
-    )
-    if recipe not in FP8_RECIPES:  # TE's op-fuser experts would read the counts on the host: static splits only
-        return (_fp8_reference(recipe, flex, fp8_flags, torch_impl), static)
-    return (
-        _fp8_reference(recipe, flex, fp8_flags, torch_impl),
-        Mode(
-            "capacity+equal+te+fp8",
-            f"as capacity+equal+te in fp8 ({recipe}), checked against {FP8_REFERENCE}",
-            (*capacity_flags, *OP_FUSER_FLAGS, *fp8_flags),
-            dict(torch_impl, **capacity),
-            equality="close",
-            experts="te-op-fuser",
-            reference=FP8_REFERENCE,
-            fp8_recipe=recipe,
-        ),
-        static,
-    )
-
-
-def _fp8_reference(recipe, flex, fp8_flags, torch_impl) -> Mode:
-    return Mode(
+    checked = dict(equality="close", reference=FP8_REFERENCE, fp8_recipe=recipe)
+    reference = Mode(
         FP8_REFERENCE,
         f"as blocking+te in fp8 ({recipe}): the reference of the fp8 modes",
         (*flex, *OP_FUSER_FLAGS, *fp8_flags),
@@ -132,6 +105,24 @@ def _fp8_reference(recipe, flex, fp8_flags, torch_impl) -> Mode:
         experts="te-op-fuser",
         fp8_recipe=recipe,
     )
+    op_fuser = Mode(
+        "capacity+equal+te+fp8",
+        f"as capacity+equal+te in fp8 ({recipe}), checked against {FP8_REFERENCE}",
+        (*capacity_flags, *OP_FUSER_FLAGS, *fp8_flags),
+        dict(torch_impl, **capacity),
+        experts="te-op-fuser",
+        **checked,
+    )
+    static = Mode(
+        "capacity+equal+static+te+fp8",
+        f"as capacity+equal+static+te in fp8 ({recipe}), checked against {FP8_REFERENCE}",
+        (*capacity_flags, STATIC_SPLITS_FLAG, *TE_FLAGS, *fp8_flags),
+        dict(torch_impl, **capacity, moe_hybridep_static_expert_splits=True, use_transformer_engine_op_fuser=False),
+        experts="te",
+        **checked,
+    )
+    # Other recipes: TE's op-fuser experts would read the counts on the host (refused in capacity mode).
+    return (reference, op_fuser, static) if recipe in FP8_RECIPES else (reference, static)
 
 
 def all_modes(capacity_factor: float, fp8_recipe: str | None = None) -> tuple[Mode, ...]:
