@@ -191,9 +191,10 @@ def test_an_overflow_inside_a_replayed_full_iteration_graph_is_rerun_and_recaptu
         tracker.clear()
 
 
-def _transformer_layer(config, seed: int):
+def _transformer_layer(config, seed: int, norm: str = "torch"):
     """One TransformerLayer (attention + a MoE layer with megatron-ext's GroupedMLP), Megatron's
-    local spec; with `cuda_graph_impl='local'` in `config` it holds Megatron's per-layer graph manager."""
+    local spec, its norms torch's or (`norm="te"`) Transformer Engine's; with
+    `cuda_graph_impl='local'` in `config` it holds Megatron's per-layer graph manager."""
     import functools
 
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -202,6 +203,10 @@ def _transformer_layer(config, seed: int):
     from megatron_ext.bench.stack import experts_spec
 
     spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False)
+    if norm == "te":
+        from megatron.core.extensions.transformer_engine import TENorm
+
+        spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = TENorm
     moe = spec.submodules.mlp  # functools.partial(MoELayer, submodules=...): the same experts in both layers
     spec.submodules.mlp = functools.partial(moe.func, submodules=experts_spec("grouped", config.num_moe_experts))
     torch.manual_seed(seed)
@@ -239,24 +244,28 @@ def _train_step_with_main_grad(layer, func, batch: torch.Tensor):
     return losses[0].clone(), grads
 
 
-def test_an_overflow_under_per_layer_graphs_is_rerun_and_captured_again(megatron):
+@pytest.mark.parametrize("norm", ["torch", "te"])
+def test_an_overflow_under_per_layer_graphs_is_rerun_and_captured_again(megatron, norm):
     """`--cuda-graph-impl local` (the whole layer) with the re-run policy, on Megatron's own graph
-    manager. Steps: 0 records (calibrates) and is captured at its end; 1 replays; before 2 the
-    graphs are deleted and the capacity cut below the rows (on one rank rows never outgrow a
-    calibrated capacity), so 2 overflows: the policy deletes the graphs, re-runs it eagerly and
-    blocking without capturing, and grows the capacity; 3 records and is captured again; 4
-    replays. Every step's loss and gradients equal a blocking layer's."""
+    manager, the layer's norms torch's or Transformer Engine's. Steps: 0 records (calibrates) and
+    is captured at its end; 1 replays; before 2 the graphs are deleted and the capacity cut below
+    the rows (on one rank rows never outgrow a calibrated capacity), so 2 overflows: the policy
+    deletes the graphs, re-runs it eagerly and blocking without capturing, and grows the capacity;
+    3 records and is captured again; 4 replays. Every step's loss and gradients equal a blocking
+    layer's."""
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from megatron.core.transformer.cuda_graphs import _CudagraphGlobalRecord
 
     import megatron_ext.patches as patches
     from megatron_ext.recovery import OverflowRerun, drop_per_layer_graphs
 
+    if norm == "te":
+        pytest.importorskip("transformer_engine.pytorch")
     model_parallel_cuda_manual_seed(1, use_cudagraphable_rng=True, force_reset_rng=True)
     shape = dict(num_attention_heads=4, attention_dropout=0.0, hidden_dropout=0.0)
-    graphed = _transformer_layer(_config("torch", **shape, cuda_graph_impl="local"), seed=5)
+    graphed = _transformer_layer(_config("torch", **shape, cuda_graph_impl="local"), seed=5, norm=norm)
     blocking = _transformer_layer(
-        make_config(1, **FLEX, hidden_size=HIDDEN, **shape, moe_hybridep_implementation="torch"), seed=6
+        make_config(1, **FLEX, hidden_size=HIDDEN, **shape, moe_hybridep_implementation="torch"), seed=6, norm=norm
     )
     copy_weights(graphed, blocking)
     manager = graphed.mlp.token_dispatcher.capacity_manager
