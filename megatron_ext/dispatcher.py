@@ -54,6 +54,7 @@ from megatron_ext.hybridep.buffers import get_buffer
 from megatron_ext.hybridep.protocol import Handle, HybridEPBuffer
 from megatron_ext.logs import once_per_group
 from megatron_ext.options import HybridEPOptions, flag, resolve_implementation, validate
+from megatron_ext.tooling.sync import host_constant
 
 logger = logging.getLogger(__name__)
 
@@ -443,7 +444,7 @@ class HybridEPCapacityManager:
             self.options.capacity_factor,
         )
         self.calibrated_expert_rows, self.expert_budget = rows, budget
-        self._budget_counts = torch.full((self.num_local_experts,), budget, dtype=torch.int64)
+        self._budget_counts = host_constant(torch.full((self.num_local_experts,), budget, dtype=torch.int64))
         return budget
 
     def budget_headroom_threshold(self) -> Optional[int]:

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from megatron_ext.tooling.sync import HostSyncError, count_host_syncs, forbid_host_sync, runahead_probe
+from megatron_ext.tooling.sync import HostSyncError, count_host_syncs, forbid_host_sync, host_constant, runahead_probe
 
 X = torch.arange(1.0, 6.0)
 
@@ -51,6 +51,17 @@ def test_count_mode_counts_each_read_once():
         "Tensor.tolist()",
         "torch.nonzero() (output size depends on values)",
     ]
+
+
+def test_host_constants_are_read_freely_and_only_they():
+    constant = host_constant(torch.full((4,), 8, dtype=torch.int64))
+    with count_host_syncs() as log:
+        constant.tolist()
+        int(constant[0])  # a view is a new tensor, unmarked: counted
+        (constant + 1).tolist()  # so is anything computed from it
+    assert [e.what for e in log.events] == ["Tensor.__int__()", "Tensor.tolist()"]
+    with pytest.raises(ValueError, match="takes a CPU tensor"):
+        host_constant(torch.empty(1, device="meta"))
 
 
 def test_guard_restores_tensor_methods():

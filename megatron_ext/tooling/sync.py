@@ -16,6 +16,10 @@ them instead. Both trap three layers, because no single one sees everything:
 * On CUDA, `torch.cuda.set_sync_debug_mode` for synchronising copies inside kernels ("error"
   under `forbid_host_sync()`; under `count_host_syncs()` its warnings are counted).
 
+A CPU tensor made once on the host and never written by a kernel (static expert splits' budgets,
+which the experts read as their split sizes) is marked with `host_constant()`: reading it waits
+for nothing on any machine, so its Python-method reads are not counted.
+
 The ground truth on a GPU is `runahead_probe`: queue a long GPU sleep, then time how long the
 host takes to enqueue a step. A step that never waits returns long before the sleep ends.
 """
@@ -74,6 +78,21 @@ _active: list[_Guard] = []
 _originals: dict[tuple[object, str], Callable] = {}
 
 
+_HOST_CONSTANT = "_megatron_ext_host_constant"
+
+
+def host_constant(tensor: torch.Tensor) -> torch.Tensor:
+    """Mark a CPU tensor as a host constant (its reads wait for no device); returns it."""
+    if tensor.device.type != "cpu":
+        raise ValueError(f"host_constant() takes a CPU tensor, not one on {tensor.device}")
+    setattr(tensor, _HOST_CONSTANT, True)
+    return tensor
+
+
+def _is_host_constant(value: object) -> bool:
+    return isinstance(value, torch.Tensor) and value.device.type == "cpu" and getattr(value, _HOST_CONSTANT, False)
+
+
 def _report(what: str) -> None:
     if getattr(_state, "inside", False) or not _active:
         return
@@ -89,7 +108,8 @@ def _wrap(owner: object, name: str, label: str) -> None:
     _originals[(owner, name)] = original
 
     def trapped(*args, **kwargs):
-        _report(label)
+        if not (args and _is_host_constant(args[0])):
+            _report(label)
         _state.inside = True
         try:
             # The read is counted once, here: CUDA's sync-debug warning for the same read is dropped.
