@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import os
 from dataclasses import dataclass, fields
 from typing import Any, Final, Literal, Optional, get_args
 
@@ -296,6 +297,48 @@ def _check_static_expert_splits(config: Any, options: HybridEPOptions) -> None:
         )
 
 
+CUTEDSL_GROUPED_MLP_ENV = "NVTE_CUTEDSL_FUSED_GROUPED_MLP"
+
+
+def _gated_activation(config: Any) -> Optional[str]:
+    """The gated activation megatron-core's op-fuser experts gate on, as its flag, or None; from a
+    parsed namespace (--swiglu, --quick-geglu) or a TransformerConfig."""
+    if getattr(config, "swiglu", False):
+        return "--swiglu"
+    if getattr(config, "quick_geglu", False):
+        return "--quick-geglu"
+    if getattr(config, "gated_linear_unit", False):
+        import torch.nn.functional as F
+
+        activation = getattr(config, "activation_func", None)
+        if activation is F.silu:
+            return "--swiglu"
+        if getattr(activation, "__name__", "") == "quick_gelu":
+            return "--quick-geglu"
+    return None
+
+
+def _check_op_fuser_activation(config: Any) -> None:
+    """megatron-core 0.19.2 builds TE's op-fuser experts with a gated activation only while
+    NVTE_CUTEDSL_FUSED_GROUPED_MLP asks for TE's CuTe DSL grouped MLP (TE runs that kernel on
+    compute capability 10 and its separate grouped ops elsewhere); otherwise its layer build fails
+    with an assertion that names neither. Refused here with the fix."""
+    if not getattr(config, "use_transformer_engine_op_fuser", False):
+        return
+    gated = _gated_activation(config)
+    try:
+        asked = int(os.environ.get(CUTEDSL_GROUPED_MLP_ENV, "0")) > 0
+    except ValueError:
+        asked = False
+    if gated and not asked:
+        raise HybridEPConfigError(
+            f"--use-transformer-engine-op-fuser with {gated}: megatron-core 0.19.2 builds TE's op-fuser experts "
+            f"with a gated activation only when {CUTEDSL_GROUPED_MLP_ENV}=1 is set (on Hopper TE then runs its "
+            f"separate grouped ops; the fused kernel is for compute capability 10). Export "
+            f"{CUTEDSL_GROUPED_MLP_ENV}=1 in the launch script, or drop --use-transformer-engine-op-fuser."
+        )
+
+
 def _check_quantized_experts(config: Any, options: HybridEPOptions) -> None:
     """Capacity mode with --fp8-format / --fp4-format: experts that quantize with the counts on the
     device (Transformer Engine's op-fuser experts with an fp8 recipe of FP8_RECIPES), or, with
@@ -430,6 +473,7 @@ def validate(config: Any) -> HybridEPOptions:
                 "Megatron's token-dropping MoE.)"
             )
         _check_quantized_experts(config, options)
+        _check_op_fuser_activation(config)
     _check_static_expert_splits(config, options)
 
     if options.equal_token_counts and getattr(config, "moe_hybridep_pad_uneven_dispatch_inputs", False):

@@ -743,3 +743,20 @@ def test_patched_parse_args_accepts_fp8_recipes_whose_grouped_gemm_takes_device_
     assert (args.fp8, args.fp8_recipe, args.use_transformer_engine_op_fuser) == ("e4m3", recipe, True)
     # Without capacity mode megatron-ext has nothing to say about fp8.
     assert parse(patched, monkeypatch, "--fp8-format", "e4m3").fp8 == "e4m3"
+
+
+@pytest.mark.parametrize("activation", ["--swiglu", "--quick-geglu"])
+def test_patched_parse_args_names_the_env_that_megatron_wants_for_gated_op_fuser_experts(
+    patched, monkeypatch, capsys, activation
+):
+    """megatron-core 0.19.2 asserts at the layer build ("Fused GroupedMLP is not supported for this
+    configuration") unless NVTE_CUTEDSL_FUSED_GROUPED_MLP asks for TE's fused grouped MLP."""
+    extra = ["--moe-hybridep-capacity-factor", "1.5", *TE_OP_FUSER, activation]
+    monkeypatch.delenv("NVTE_CUTEDSL_FUSED_GROUPED_MLP", raising=False)
+    err = parse_error(patched, monkeypatch, capsys, *extra)
+    for text in (activation, "NVTE_CUTEDSL_FUSED_GROUPED_MLP=1", "drop --use-transformer-engine-op-fuser"):
+        assert text in err, f"{text!r} not in {err[-600:]!r}"
+    monkeypatch.setenv("NVTE_CUTEDSL_FUSED_GROUPED_MLP", "1")
+    assert parse(patched, monkeypatch, *extra).use_transformer_engine_op_fuser
+    monkeypatch.delenv("NVTE_CUTEDSL_FUSED_GROUPED_MLP")
+    assert not parse(patched, monkeypatch, "--moe-hybridep-capacity-factor", "1.5", *TE_OP_FUSER).swiglu

@@ -23,11 +23,12 @@ CAPACITY = dict(FLEX, moe_hybridep_capacity_factor=2.0, moe_hybridep_equal_token
 
 @pytest.fixture(scope="module", autouse=True)
 def transformer_engine():
-    from megatron_ext.bench.stack import te_import_error
+    from megatron_ext.bench.stack import allow_gated_op_fuser_experts, te_import_error
 
     reason = te_import_error()
     if reason is not None:
         pytest.skip(f"needs Transformer Engine (on the GPU machine: ../shared/tools/gpu_stack_prepare.sh): {reason}")
+    allow_gated_op_fuser_experts()  # SwiGLU on the op fuser, as a launch script must export it
 
 
 def _stacked(steps):

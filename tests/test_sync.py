@@ -98,3 +98,20 @@ def test_host_to_device_copies_count_on_cuda():
     with count_host_syncs() as log:
         pinned.to("cuda", non_blocking=True)
     assert log.count == 0, log.events
+
+
+@pytest.mark.gpu
+def test_reads_of_cpu_tensors_are_free_where_cuda_is_in_use():
+    """TE's grouped linear rebuilds its split sizes as a CPU tensor and reads them: no wait. A
+    CUDA tensor's read, and the copy of one to the host, are syncs."""
+    device = torch.ones(4, device="cuda")
+    with count_host_syncs() as log:
+        torch.tensor([1, 2, 3]).tolist()
+        int(torch.ones(2)[0])
+    assert log.count == 0, log.events
+    with count_host_syncs() as log:
+        device.tolist()
+    assert [e.what for e in log.events] == ["Tensor.tolist()"], log.events
+    with count_host_syncs() as log:
+        device.to("cpu").tolist()
+    assert log.count == 1 and "sync-debug" in log.events[0].what, log.events

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from megatron_ext.bench.sizes import Sizes
+from megatron_ext.options import CUTEDSL_GROUPED_MLP_ENV
 
 if TYPE_CHECKING:
     from megatron_ext.bench.modes import Mode
@@ -37,8 +38,19 @@ MOE_STACK_DEFAULTS = dict(
 )
 
 
+def allow_gated_op_fuser_experts() -> None:
+    """Megatron-Core 0.19.2 accepts SwiGLU on TE's op fuser only when NVTE_CUTEDSL_FUSED_GROUPED_MLP
+    asks for TE's CuTe DSL fused grouped MLP; TE uses that kernel on compute capability 10 alone and
+    runs its separate grouped ops (GroupedLinear, ScaledSwiGLU, GroupedLinear) elsewhere, the H200
+    included. megatron-ext's config check refuses the op fuser with SwiGLU without it."""
+    os.environ.setdefault(CUTEDSL_GROUPED_MLP_ENV, "1")
+
+
 def megatron_config(sizes: Sizes, world_size: int, device: torch.device, mode: Mode):
     from megatron_ext.config import HybridEPTransformerConfig
+
+    if mode.overrides.get("use_transformer_engine_op_fuser"):
+        allow_gated_op_fuser_experts()
 
     dtype = DTYPES[sizes.dtype]
     base = dict(
@@ -83,10 +95,7 @@ def experts_spec(kind: str, num_experts: int):
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
 
     if kind == "te-op-fuser":
-        # Megatron-Core 0.19.2 accepts SwiGLU on TE's op fuser only when this asks for TE's CuTe DSL
-        # fused grouped MLP; TE uses that kernel on compute capability 10 alone and runs its separate
-        # grouped ops (GroupedLinear, ScaledSwiGLU, GroupedLinear) elsewhere, the H200 included.
-        os.environ.setdefault("NVTE_CUTEDSL_FUSED_GROUPED_MLP", "1")
+        allow_gated_op_fuser_experts()
     return get_moe_module_spec(use_te=True, num_experts=num_experts, moe_grouped_gemm=True).keywords["submodules"]
 
 

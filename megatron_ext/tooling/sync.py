@@ -16,9 +16,11 @@ them instead. Both trap three layers, because no single one sees everything:
 * On CUDA, `torch.cuda.set_sync_debug_mode` for synchronising copies inside kernels ("error"
   under `forbid_host_sync()`; under `count_host_syncs()` its warnings are counted).
 
-A CPU tensor made once on the host and never written by a kernel (static expert splits' budgets,
-which the experts read as their split sizes) is marked with `host_constant()`: reading it waits
-for nothing on any machine, so its Python-method reads are not counted.
+Where CUDA is in use, Python-method reads of CPU tensors are not counted: they wait for no device
+(split sizes TE's grouped linear rebuilds from a Python list, static expert splits' budgets). The
+device-to-host copy that may have filled one is what waits, and CUDA's sync-debug mode reports it.
+On a CPU-only run every read counts, as it would stall a GPU were the tensor on one, except a
+tensor marked with `host_constant()` (made on the host, never written by a kernel).
 
 The ground truth on a GPU is `runahead_probe`: queue a long GPU sleep, then time how long the
 host takes to enqueue a step. A step that never waits returns long before the sleep ends.
@@ -89,8 +91,12 @@ def host_constant(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def _is_host_constant(value: object) -> bool:
-    return isinstance(value, torch.Tensor) and value.device.type == "cpu" and getattr(value, _HOST_CONSTANT, False)
+def _waits_for_nothing(value: object) -> bool:
+    """A Python read of `value` waits for no device: a CPU tensor that is a host constant, or any
+    CPU tensor while CUDA is in use (module docstring)."""
+    if not isinstance(value, torch.Tensor) or value.device.type != "cpu":
+        return False
+    return getattr(value, _HOST_CONSTANT, False) or (bool(_active) and _active[-1].cuda)
 
 
 def _report(what: str) -> None:
@@ -108,7 +114,7 @@ def _wrap(owner: object, name: str, label: str) -> None:
     _originals[(owner, name)] = original
 
     def trapped(*args, **kwargs):
-        if not (args and _is_host_constant(args[0])):
+        if not (args and _waits_for_nothing(args[0])):
             _report(label)
         _state.inside = True
         try:
@@ -187,8 +193,9 @@ class _SyncingOpMode(TorchDispatchMode):
 
 
 class _Guard:
-    def __init__(self, raise_on_sync: bool):
+    def __init__(self, raise_on_sync: bool, cuda: bool):
         self.raise_on_sync = raise_on_sync
+        self.cuda = cuda  # CUDA initialised when the block began: reads of CPU tensors are free
         self.log = SyncLog()
 
     def record(self, what: str) -> None:
@@ -203,11 +210,11 @@ class _Guard:
 
 @contextlib.contextmanager
 def _guard(raise_on_sync: bool) -> Iterator[SyncLog]:
-    guard = _Guard(raise_on_sync)
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    guard = _Guard(raise_on_sync, cuda)
     if not _active:
         _install()
     _active.append(guard)
-    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
     previous_debug_mode = torch.cuda.get_sync_debug_mode() if cuda else 0
     if cuda:
         torch.cuda.set_sync_debug_mode("error" if raise_on_sync else "warn")
