@@ -129,7 +129,12 @@ def _delete_per_layer_graphs(chunks: Iterable[torch.nn.Module]) -> None:
     in its record, which a capture empties: the runners of graphs already captured would keep
     their recorded state, so the modules would run eagerly but never record, and no graph would be
     captured again. Every graph manager in `chunks` forgets its runners (the next step makes new
-    ones, which record), and the shared memory pool that the delete released is made again."""
+    ones, which record), and the shared memory pool that the delete released is made again.
+
+    The steps until the next capture run on a side stream, as Megatron sets up before its first
+    capture (its graph manager does, when it makes the pool): a capture fails when work before it
+    ran on the legacy default stream ("operation would make the legacy stream depend on a capturing
+    blocking stream"), and Megatron moves back to that stream after every capture."""
     from megatron.core.transformer.cuda_graphs import CudaGraphManager, delete_cuda_graphs
 
     delete_cuda_graphs()
@@ -140,6 +145,11 @@ def _delete_per_layer_graphs(chunks: Iterable[torch.nn.Module]) -> None:
                 module.custom_cudagraphs_lookup_table.clear()
     if CudaGraphManager.global_mempool is None and torch.cuda.is_available():
         CudaGraphManager.global_mempool = torch.cuda.graph_pool_handle()
+        current = torch.cuda.current_stream()
+        if current == torch.cuda.default_stream():
+            side = torch.cuda.Stream()
+            side.wait_stream(current)  # what the default stream queued comes first
+            torch.cuda.set_stream(side)
 
 
 @contextlib.contextmanager
