@@ -258,6 +258,14 @@ def _check_graphs(config: Any, options: HybridEPOptions) -> None:
             f"{where} with {CAPACITY_FACTOR_FLAG}: --cuda-graph-warmup-steps 0 would capture the first step, whose "
             "calibration dispatch is blocking (it reads the host); use --cuda-graph-warmup-steps 1 or more."
         )
+    if impl == "local" and not graph_modules(config) and _local_graph_inputs_released(config):
+        raise HybridEPConfigError(
+            f"{where} with --transformer-impl local: with Transformer Engine installed, megatron-core 0.19.2 "
+            "releases a per-layer graph's input buffer unless a Python autograd function saved it for the "
+            "backward, and the local spec's torch norms (no apex) save it in C++: the first graphed layer's "
+            "input-norm weight then gets a wrong gradient (seen on an H200). Use --transformer-impl "
+            "transformer_engine, or graph --cuda-graph-modules moe, or --cuda-graph-impl full_iteration."
+        )
     if impl == "transformer_engine" and options.overflow_policy == "rerun":
         # Transformer Engine's graphs are made once, at the end of the warm-up steps, by a helper
         # of Megatron's training loop that megatron-ext cannot call again after a capacity grows.
@@ -269,6 +277,22 @@ def _check_graphs(config: Any, options: HybridEPOptions) -> None:
             "(an overflow stops the job at the device assert inside the graph), or graph only --cuda-graph-modules "
             "moe_router moe_preprocess (the dispatch stays eager)."
         )
+
+
+def _local_graph_inputs_released(config: Any) -> bool:
+    """Whether Megatron's per-layer graphs would release a whole layer's input buffer that its norm
+    reads in the backward: its graph code weak-references graph inputs where Transformer Engine
+    imports, keeping those a Python `save_for_backward` saw; torch's native norms (the local spec's
+    `WrappedTorchNorm`, built without apex) save theirs in C++, unseen."""
+    if getattr(config, "transformer_impl", "transformer_engine") != "local":
+        return False
+    try:
+        from megatron.core.models.gpt import gpt_layer_specs
+        from megatron.core.transformer import cuda_graphs
+        from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    except ImportError:  # nothing to graph with, or a Megatron-Core whose check names it
+        return False
+    return bool(cuda_graphs.HAVE_TE_GRAPHS) and gpt_layer_specs.LNImpl is WrappedTorchNorm
 
 
 # fp8 recipes whose grouped GEMM in Transformer Engine's op fuser takes the expert counts on the

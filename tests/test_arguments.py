@@ -760,3 +760,28 @@ def test_patched_parse_args_names_the_env_that_megatron_wants_for_gated_op_fuser
     assert parse(patched, monkeypatch, *extra).use_transformer_engine_op_fuser
     monkeypatch.delenv("NVTE_CUTEDSL_FUSED_GROUPED_MLP")
     assert not parse(patched, monkeypatch, "--moe-hybridep-capacity-factor", "1.5", *TE_OP_FUSER).swiglu
+
+
+@pytest.mark.parametrize("te_graphs", [True, False], ids=["te-installed", "no-te"])
+def test_whole_layer_local_graphs_with_torch_norms_are_refused_where_megatron_releases_their_input(
+    patched, monkeypatch, capsys, te_graphs
+):
+    """Megatron's per-layer graphs weak-reference graph inputs where TE imports; the local spec's
+    torch norm saves the layer input in C++, unseen, and its weight's gradient came out wrong on an
+    H200 (tests/test_gpu_graphs.py, the per-layer overflow test with torch norms)."""
+    from megatron.core.models.gpt import gpt_layer_specs
+    from megatron.core.transformer import cuda_graphs
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    monkeypatch.setattr(cuda_graphs, "HAVE_TE_GRAPHS", te_graphs)
+    monkeypatch.setattr(gpt_layer_specs, "LNImpl", WrappedTorchNorm)
+    whole_layer = ["--cuda-graph-impl", "local", *CAPACITY_EQUAL]
+    if te_graphs:
+        err = parse_error(patched, monkeypatch, capsys, *whole_layer, "--transformer-impl", "local")
+        for text in ("--cuda-graph-impl local with --transformer-impl local", "wrong gradient", "full_iteration"):
+            assert text in err, f"{text!r} not in {err[-600:]!r}"
+    else:
+        assert parse(patched, monkeypatch, *whole_layer, "--transformer-impl", "local").cuda_graph_impl == "local"
+    # The MoE layer alone: its input's readers (the router's gating, the experts) save it in Python.
+    moe_only = [*whole_layer, "--cuda-graph-modules", "moe", "--transformer-impl", "local"]
+    assert [m.name for m in parse(patched, monkeypatch, *moe_only).cuda_graph_modules] == ["moe"]

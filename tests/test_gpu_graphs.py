@@ -254,6 +254,7 @@ def test_an_overflow_under_per_layer_graphs_is_rerun_and_captured_again(megatron
     3 records and is captured again; 4 replays. Every step's loss and gradients equal a blocking
     layer's."""
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer import cuda_graphs
     from megatron.core.transformer.cuda_graphs import _CudagraphGlobalRecord
 
     import megatron_ext.patches as patches
@@ -261,6 +262,10 @@ def test_an_overflow_under_per_layer_graphs_is_rerun_and_captured_again(megatron
 
     if norm == "te":
         pytest.importorskip("transformer_engine.pytorch")
+    elif cuda_graphs.HAVE_TE_GRAPHS:
+        # Megatron then releases the layer input that torch's norm saved in C++ (its weight's
+        # gradient came out wrong here): megatron-ext refuses the flags (--transformer-impl local).
+        pytest.skip("torch norms under per-layer graphs where TE imports: refused at parsing")
     model_parallel_cuda_manual_seed(1, use_cudagraphable_rng=True, force_reset_rng=True)
     shape = dict(num_attention_heads=4, attention_dropout=0.0, hidden_dropout=0.0)
     graphed = _transformer_layer(_config("torch", **shape, cuda_graph_impl="local"), seed=5, norm=norm)
