@@ -436,7 +436,14 @@ def _dry_run() -> None:
             f"{sys.argv[0]}: world size {args.world_size} is not a multiple of pipeline x expert x expert-tensor "
             f"parallel = {expert_grid(args)}; change --expert-model-parallel-size or the number of GPUs."
         )
-    config = core_transformer_config_from_args(args)
+    try:
+        config = core_transformer_config_from_args(args)
+    except (ValueError, AssertionError) as exc:  # Megatron's own checks of the config, on this machine
+        print(
+            f"{os.path.basename(sys.argv[0])}: error: Megatron's TransformerConfig refuses these flags here: {exc}",
+            file=sys.stderr,
+        )
+        sys.exit(2)
     set_args(args)  # what get_train_valid_test_num_samples reads
     print("megatron-ext dry run: nothing built, no GPU or process group used")
     for name, value in describe(args, config):

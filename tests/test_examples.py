@@ -42,13 +42,20 @@ DRY_RUNS = {
     "slurm": ("slurm_multinode.sbatch", {**SLURM, "SLURM_SUBMIT_DIR": str(REPO)}, []),
     "roundtrip": ("roundtrip_torchrun.sh", {}, []),
     "smoke-fp16-appended": ("smoke_1gpu.sh", {}, ["--fp16"]),
+    # docs/examples.md's fp8 line: TE's layers and op-fuser experts, tensorwise.
+    "smoke-fp8": (
+        "smoke_1gpu.sh",
+        {"NVTE_CUTEDSL_FUSED_GROUPED_MLP": "1"},
+        ["--transformer-impl", "transformer_engine", "--use-transformer-engine-op-fuser"]
+        + ["--fp8-format", "e4m3", "--fp8-recipe", "tensorwise"],
+    ),
 }
 # The dry runs that must succeed: one for every example script, and then some.
 # The launch scripts (a shebang; examples/modes.sh, sourced by them, is none).
 SCRIPTS = sorted(
     p.name for p in EXAMPLES.iterdir() if p.suffix in (".sh", ".sbatch") and p.read_text().startswith("#!")
 )
-PASSING_DRY_RUNS = [name for name in DRY_RUNS if name != "smoke-fp16-appended"]
+PASSING_DRY_RUNS = [name for name in DRY_RUNS if name not in ("smoke-fp16-appended", "smoke-fp8")]
 # The tools the scripts use outside bash, and no other (no nvidia-smi, no SLURM command).
 SCRIPT_TOOLS = ("dirname",)
 FACTOR, EQUAL, REUSE = (
@@ -272,6 +279,21 @@ def test_dry_run_refuses_fp16_appended_to_the_scripts_bf16(dry_runs):
     assert result.stderr.startswith("pretrain_moe.py: error: --bf16 and --fp16 are both set"), result.stderr[-3000:]
     assert "give PRECISION=fp16 (or edit the script) instead of appending --fp16" in result.stderr
     assert result.stderr.count("\n") == 1 and "usage:" not in result.stderr
+    assert "megatron-ext dry run:" not in result.stdout
+
+
+def test_fp8_dry_run_builds_where_te_imports_and_says_why_not_elsewhere(dry_runs):
+    """Megatron's config refuses MoE fp8 without Transformer Engine: one line, exit 2, no traceback."""
+    result = dry_runs["smoke-fp8"]
+    if importlib.util.find_spec("transformer_engine") is not None:
+        assert dry_run_report(dry_runs, "smoke-fp8")["transformer impl"] == "transformer_engine"
+        return
+    assert result.returncode == 2, result.stderr[-3000:]
+    # Megatron's remarks on the flags, one line each (a streaming-dequantize note for tensorwise), then the error.
+    *remarks, error = result.stderr.splitlines()
+    assert error.startswith("pretrain_moe.py: error: Megatron's TransformerConfig refuses"), result.stderr
+    assert "transformer-engine" in error and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert all(line.startswith("pretrain_moe.py: Megatron: ") for line in remarks), remarks
     assert "megatron-ext dry run:" not in result.stdout
 
 
