@@ -39,6 +39,7 @@ from __future__ import annotations
 import itertools
 import logging
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -426,10 +427,10 @@ class HybridEPCapacityManager:
         rows) x the factor, aligned, if that is more than it has; return the new budget or None. One
         all-reduce and one host read: between steps, or in a blocking dispatch, only. A CUDA graph
         captured with the old budget must be dropped after (megatron_ext.recovery does)."""
-        self._refuse_under_capture("sizing the expert budgets (an all-reduce and a host read)")
-        rows = self._group_max(largest_rows)
-        budget = budget_from_rows(rows, self.options.capacity_factor, self.pad_multiple)
-        if self.expert_budget is not None and budget <= self.expert_budget:
+        rows, budget = self._sized_from_group_max(
+            largest_rows, budget_from_rows, self.expert_budget, "sizing the expert budgets"
+        )
+        if budget is None:
             # Rounding kept the budget: count the rows as learned (as grow_capacity does).
             self.calibrated_expert_rows = max(self.calibrated_expert_rows or 0, rows)
             return None
@@ -514,10 +515,10 @@ class HybridEPCapacityManager:
         than it has; return the new capacity, or None when it stays. One all-reduce and one host
         read: call it between steps only (`megatron_ext.recovery` does). A CUDA graph captured with
         the old capacity must be dropped after a growth (it would dispatch at the old one)."""
-        self._refuse_under_capture("growing the capacity (an all-reduce and a host read)")
-        rows = self._group_max(local_rows)
-        capacity = capacity_from_rows(rows, self.options.capacity_factor, self.pad_multiple)
-        if self.capacity is not None and capacity <= self.capacity:
+        rows, capacity = self._sized_from_group_max(
+            local_rows, capacity_from_rows, self.capacity, "growing the capacity"
+        )
+        if capacity is None:
             # Rounding kept the capacity: count the rows as learned, so that the headroom check
             # does not come back to this layer every step.
             self.calibrated_rows = max(self.calibrated_rows or 0, rows)
@@ -536,6 +537,21 @@ class HybridEPCapacityManager:
         self.stats.calibrations += 1
         self.stats.capacities.append(capacity)
         return capacity
+
+    def _sized_from_group_max(
+        self,
+        local_rows: int | torch.Tensor,
+        size_of: Callable[[int, float, Optional[int]], int],
+        current: Optional[int],
+        what: str,
+    ) -> tuple[int, Optional[int]]:
+        """The EP group's maximum of `local_rows` and the size `size_of(rows, factor, pad_multiple)`
+        gives it (a capacity, or an expert budget), or None for the size where that does not exceed
+        `current`. One all-reduce and one host read, refused under capture naming `what`."""
+        self._refuse_under_capture(f"{what} (an all-reduce and a host read)")
+        rows = self._group_max(local_rows)
+        size = size_of(rows, self.options.capacity_factor, self.pad_multiple)
+        return rows, (size if current is None or size > current else None)
 
     def _group_max(self, local_rows: int | torch.Tensor) -> int:
         """The EP group's maximum of `local_rows` (a host int or a device scalar): one all-reduce
