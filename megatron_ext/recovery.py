@@ -9,7 +9,8 @@
    stopping at it (the step may train on truncated rows: its results are not kept if so);
 3. checks once, at the step's end, whether any rank's layer overflowed (one all-reduce over all
    ranks and one host read for the whole model);
-4. if one did: discards the step's gradients (and the MoE auxiliary-loss tracker's values), runs
+4. if one did: discards the step's gradients (and the MoE auxiliary-loss tracker's values) and
+   puts back the fp8 delayed-scaling state that the step recorded (`DelayedScalingState`), runs
    the same micro-batches again with every dispatch blocking, so no micro-batch is skipped and
    nothing is trained on truncated tokens, then grows each layer's capacity to ceil(rows x
    factor) of the largest row count the re-run needed (EP-group maximum). The next step runs in
@@ -194,6 +195,60 @@ def _discard_gradients(chunks: Iterable[torch.nn.Module]) -> None:
     clear_aux_losses_tracker()
 
 
+class DelayedScalingState:
+    """The fp8 delayed-scaling state of Transformer Engine's modules in `chunks` (`--fp8-recipe
+    delayed`): each module's scales and amax histories (`fp8_meta["scaling_fwd"]` and
+    `["scaling_bwd"]`), kept before a step and put back before that step's re-run.
+
+    Delayed scaling quantizes a step with scales made from the amaxes that earlier steps recorded.
+    An overflowed step records its own amaxes before it is discarded; without this, its re-run, and
+    every step after it, would quantize with scales that a blocking run never had: close to it,
+    not the same. A module whose state the step made (its first fp8 step) gets TE's initial state
+    back (scale 1, amax history 0). Device copies only: no host read, nothing in a graph."""
+
+    KEYS = ("scaling_fwd", "scaling_bwd")
+
+    def __init__(self, chunks: Iterable[torch.nn.Module]):
+        self.chunks = list(chunks)
+        self.modules = [
+            module
+            for chunk in self.chunks
+            for module in chunk.modules()
+            if isinstance(getattr(module, "fp8_meta", None), dict)
+        ]
+        self._kept: list[torch.Tensor] = []
+        self._live: list[torch.Tensor] = []
+        self._absent: set[tuple[int, str]] = set()
+
+    def _metas(self) -> Iterator[tuple[int, str, Any]]:
+        for index, module in enumerate(self.modules):
+            for key in self.KEYS:
+                yield index, key, module.fp8_meta.get(key)
+
+    def keep(self) -> None:
+        live, self._absent = [], set()
+        for index, key, meta in self._metas():
+            if meta is None:
+                self._absent.add((index, key))
+            else:
+                live += [meta.scale, meta.amax_history]
+        if [(t.shape, t.dtype, t.device) for t in live] != [(t.shape, t.dtype, t.device) for t in self._kept]:
+            self._kept = [torch.empty_like(t) for t in live]
+        if live:
+            with torch.no_grad():
+                torch._foreach_copy_(self._kept, live)
+        self._live = live
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            if self._live:
+                torch._foreach_copy_(self._live, self._kept)
+            for index, key, meta in self._metas():
+                if meta is not None and (index, key) in self._absent:
+                    meta.scale.fill_(1.0)
+                    meta.amax_history.zero_()
+
+
 def _resumed_iteration() -> int:
     """The iteration Megatron's training loop resumed from (0: a fresh run, or no Megatron args)."""
     try:
@@ -226,6 +281,7 @@ class OverflowRerun:
         self.reruns = 0  # steps re-run since this wrapper was made
         self.resizes = 0  # steps after which thin headroom grew capacities
         self._first_step = True
+        self._scaling: Optional[DelayedScalingState] = None
 
     @staticmethod
     def _check(managers: list[HybridEPCapacityManager], overflows_before: list) -> tuple[bool, bool]:
@@ -279,6 +335,9 @@ class OverflowRerun:
         if policy != "rerun":
             return step(**kwargs)
         chunks = model if isinstance(model, (list, tuple)) else [model]
+        if self._scaling is None or [id(c) for c in self._scaling.chunks] != [id(c) for c in chunks]:
+            self._scaling = DelayedScalingState(chunks)
+        self._scaling.keep()
         step_input = _replayable(kwargs.get("data_iterator"), kwargs["num_microbatches"])
         kwargs["data_iterator"] = step_input()
         # Copies: a replayed graph adds to the same tensors.
@@ -315,6 +374,7 @@ class OverflowRerun:
             )
             if not kwargs.get("forward_only", False):
                 _discard_gradients(chunks)
+            self._scaling.restore()
             for manager in managers:
                 manager.force_blocking, manager.blocking_rows_max = True, 0
                 manager.blocking_expert_rows_max = 0
@@ -354,6 +414,8 @@ def drop_graphs(graph: Any) -> None:
     longer hold) and have the step after next capture them again: the next step runs eagerly, at
     the new capacities, so that the kernels for their sizes are compiled outside a capture."""
     graph.reset_cuda_graph()
+    if getattr(graph, "use_single_mempool", False):
+        _forget_shared_graph_pool()
     for stage in type(graph).curr_iteration:
         type(graph).curr_iteration[stage] = max(graph.cuda_graph_warmup_steps - 1, 0)
     logger.log(
@@ -361,6 +423,19 @@ def drop_graphs(graph: Any) -> None:
         "megatron-ext: a capacity grew: the full-iteration CUDA graphs are dropped, the next step runs eagerly "
         "and the one after it is captured again.",
     )
+
+
+def _forget_shared_graph_pool() -> None:
+    """Have the next capture of Megatron's full-iteration graph take a new memory pool. With
+    `--cuda-graph-use-single-mempool` (Megatron's default) every capture names one pool handle for
+    the whole process, and PyTorch's allocator keeps a pool whose graphs are all deleted as dead:
+    a capture that names it again stops at an internal assert (`use_count > 0`). The dropped
+    graph's memory goes back to the device here, before the capture that replaces it."""
+    from megatron.core import full_cuda_graph
+
+    full_cuda_graph._shared_graph_pool = None
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def full_iteration_graph(wrapper_class: type) -> type:

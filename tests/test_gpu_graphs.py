@@ -104,14 +104,18 @@ def test_replays_equal_eager_steps(megatron, implementation, recompute):
 
 
 def _full_iteration(layer, rerun):
-    """Megatron's FullCudaGraphWrapper as its training loop builds it with megatron-ext patched."""
+    """Megatron's FullCudaGraphWrapper as its training loop builds it with megatron-ext patched,
+    with Megatron's default of one memory pool for every capture (`--cuda-graph-use-single-mempool`),
+    in the state of a new process."""
+    from megatron.core import full_cuda_graph
     from megatron.core.full_cuda_graph import FullCudaGraphWrapper
 
     from megatron_ext.recovery import full_iteration_graph
 
     FullCudaGraphWrapper.cuda_graph["training"] = None
     FullCudaGraphWrapper.curr_iteration["training"] = 0
-    return full_iteration_graph(FullCudaGraphWrapper)(rerun, cuda_graph_warmup_steps=1)
+    full_cuda_graph._shared_graph_pool = None
+    return full_iteration_graph(FullCudaGraphWrapper)(rerun, cuda_graph_warmup_steps=1, use_single_mempool=True)
 
 
 def _schedule(*, model, data_iterator, num_microbatches, forward_only=False, **_):

@@ -494,7 +494,7 @@ def test_te_op_fuser_experts_beyond_its_grouped_gemm_limit_are_refused_before_th
 def test_every_runtime_symbol_is_where_this_megatron_core_keeps_it():
     assert {feature for _, feature in patches.RUNTIME_SYMBOLS} <= set(patches.FEATURES)
     for symbol, _ in patches.RUNTIME_SYMBOLS:
-        assert patches.resolve(symbol) is not None, symbol
+        patches.resolve(symbol)  # MovedSymbolError naming it where it is not (some are None until used)
 
 
 def test_a_moved_runtime_symbol_patches_nothing(originals, monkeypatch):

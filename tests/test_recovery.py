@@ -86,6 +86,55 @@ def overflow_reruns_the_step_blocking_and_grows_the_capacity(rank, world, replay
     assert manager.stats.non_blocking_dispatches - non_blocking == MICROBATCHES * (1 + replays)  # capacity mode again
 
 
+class _DelayedScaled(torch.nn.Module):
+    """`layer` behind a Transformer Engine module under fp8 delayed scaling, in miniature: it rounds
+    its input on a grid set by the scale that earlier forwards' amaxes made, then records its own
+    amax and remakes the scale in `fp8_meta`, in place, as TE does after an fp8 forward. Its
+    state is made by its first forward, as TE makes it."""
+
+    def __init__(self, layer):
+        super().__init__()
+        self.layer, self.config, self.fp8_meta = layer, layer.config, {}
+
+    def forward(self, x):
+        if "scaling_fwd" not in self.fp8_meta:
+            self.fp8_meta["scaling_fwd"] = _meta(torch.ones(1, device=x.device), torch.zeros(2, 1, device=x.device))
+        meta = self.fp8_meta["scaling_fwd"]
+        grid = 1 / (8 * meta.scale)
+        x = x + (torch.round(x / grid) * grid - x).detach()  # the gradient passes straight through
+        with torch.no_grad():
+            meta.amax_history.copy_(torch.roll(meta.amax_history, 1, 0))
+            meta.amax_history[0] = x.abs().amax()
+            meta.scale.copy_(1 / meta.amax_history.amax(0).clamp(min=1e-3))
+        return self.layer(x)
+
+
+def _meta(scale, amax_history):
+    import types
+
+    return types.SimpleNamespace(scale=scale, amax_history=amax_history)
+
+
+def delayed_scaling_is_put_back_before_a_rerun(rank, world):
+    """An overflowed step recorded amaxes and remade its scales before it was discarded: its re-run
+    starts from the scales the step began with, so the kept step, the step after it and the state
+    they leave equal the blocking run's, bitwise."""
+    from megatron_ext.recovery import OverflowRerun
+
+    layer, blocking, manager = _layers(world)
+    model, reference = _DelayedScaled(layer), _DelayedScaled(blocking)
+    runner = OverflowRerun(_forward_backward)
+    inputs = step_inputs(rank, 1 + 2 * MICROBATCHES, 32, HIDDEN, seed=23)
+    calibration, step, later = inputs[:1], inputs[1 : 1 + MICROBATCHES], inputs[1 + MICROBATCHES :]
+    _assert_same_step(_step(reference, calibration), _step(model, calibration, runner))
+    manager.capacity = 4  # every rank overflows
+    _assert_same_step(_step(reference, step), _step(model, step, runner))
+    assert runner.reruns == 1
+    _assert_same_step(_step(reference, later), _step(model, later, runner))
+    ours, theirs = model.fp8_meta["scaling_fwd"], reference.fp8_meta["scaling_fwd"]
+    assert torch.equal(ours.scale, theirs.scale) and torch.equal(ours.amax_history, theirs.amax_history)
+
+
 def recompute_replays_across_the_rerun_and_the_growth(rank, world):
     """With Megatron's MoE recompute, the backward replays each forward: the overflowed forward is
     discarded with its replays, the re-run's forwards are replayed blocking as they ran, and the
@@ -323,6 +372,7 @@ class _StandInFullGraph:
     def __init__(self, forward_backward_func, cuda_graph_warmup_steps=1, use_single_mempool=False):
         self.forward_backward_func = forward_backward_func
         self.cuda_graph_warmup_steps = cuda_graph_warmup_steps
+        self.use_single_mempool = use_single_mempool
         self.calls = []
 
     def __call__(self, **kwargs):
@@ -485,6 +535,7 @@ CHECKS = (
     capacity_use_follows_a_layer_numbered_after_it_was_built,
     full_iteration_graph_keeps_the_policy_outside,
     overflow_reruns_the_step_blocking_and_grows_the_capacity,
+    delayed_scaling_is_put_back_before_a_rerun,
     recompute_replays_across_the_rerun_and_the_growth,
     no_overflow_no_rerun,
     thin_headroom_grows_the_capacity_before_an_overflow,
@@ -528,6 +579,59 @@ def test_the_patch_wraps_the_schedule_of_megatrons_training_loop():
         assert training.FullCudaGraphWrapper.cuda_graph is full_cuda_graph.FullCudaGraphWrapper.cuda_graph
     assert training.get_forward_backward_func(pp_size=1) is schedules.forward_backward_no_pipelining
     assert schedules.create_cudagraphs is cuda_graphs.create_cudagraphs
+
+
+def test_delayed_scaling_state_is_kept_and_put_back():
+    """Kept: each module's scales and amax histories as they were; a module without them yet (before
+    its first fp8 step) gets TE's initial state back; modules without fp8 state are left alone."""
+    from megatron_ext.recovery import DelayedScalingState
+
+    made_later, other = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    made_later.fp8_meta = {}
+    module = torch.nn.Linear(2, 2)
+    module.fp8_meta = {
+        "scaling_fwd": _meta(torch.rand(3), torch.rand(4, 3)),
+        "scaling_bwd": _meta(torch.rand(2), torch.rand(4, 2)),
+    }
+    before = {key: (meta.scale.clone(), meta.amax_history.clone()) for key, meta in module.fp8_meta.items()}
+    state = DelayedScalingState([torch.nn.Sequential(module, made_later, other)])
+    assert state.modules == [module, made_later]
+    state.keep()
+    for meta in module.fp8_meta.values():  # what a step does to them, in place
+        meta.scale.mul_(3)
+        meta.amax_history.add_(1)
+    made_later.fp8_meta["scaling_fwd"] = _meta(torch.full((2,), 5.0), torch.full((4, 2), 7.0))
+    state.restore()
+    for key, meta in module.fp8_meta.items():
+        assert torch.equal(meta.scale, before[key][0]) and torch.equal(meta.amax_history, before[key][1]), key
+    fresh = made_later.fp8_meta["scaling_fwd"]
+    assert torch.equal(fresh.scale, torch.ones(2)) and torch.equal(fresh.amax_history, torch.zeros(4, 2))
+    state.keep()  # the next step keeps the state it starts from, the made one included
+    fresh.scale.fill_(9.0)
+    state.restore()
+    assert torch.equal(fresh.scale, torch.ones(2))
+
+
+@pytest.mark.parametrize("single_mempool", [True, False], ids=["single-mempool", "pool-per-capture"])
+def test_dropped_full_iteration_graphs_are_captured_again_into_a_new_pool(single_mempool, monkeypatch):
+    """With --cuda-graph-use-single-mempool (Megatron's default) every capture names one pool handle
+    per process, and PyTorch's allocator stops a capture into a pool whose graphs are all deleted
+    (an internal assert, seen on an H200 at the first re-capture in a training run): dropping the
+    graphs forgets the handle, so the next capture makes a new pool."""
+    from megatron.core import full_cuda_graph
+
+    from megatron_ext.recovery import drop_graphs
+
+    handle = (0, 12345)
+    monkeypatch.setattr(full_cuda_graph, "_shared_graph_pool", handle)
+    graph = _StandInFullGraph(_forward_backward, cuda_graph_warmup_steps=3, use_single_mempool=single_mempool)
+    drop_graphs(graph)
+    assert graph.calls == ["reset"] and _StandInFullGraph.curr_iteration["training"] == 2
+    if single_mempool:
+        assert full_cuda_graph._shared_graph_pool is None
+        assert full_cuda_graph.get_shared_graph_pool() != handle  # what the next capture names
+    else:
+        assert full_cuda_graph._shared_graph_pool == handle  # Megatron makes a new pool per capture itself
 
 
 @pytest.mark.parametrize(

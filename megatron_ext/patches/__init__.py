@@ -176,6 +176,7 @@ RUNTIME_SYMBOLS: tuple[tuple[str, str], ...] = (
     ("megatron.core.transformer.moe.moe_utils.clear_aux_losses_tracker", "training"),
     ("megatron.core.transformer.cuda_graphs.delete_cuda_graphs", "training"),
     ("megatron.core.transformer.cuda_graphs.CudaGraphManager", "training"),
+    ("megatron.core.full_cuda_graph._shared_graph_pool", "training"),
     ("megatron.training.global_vars.get_args", "training"),
 )
 
