@@ -496,6 +496,13 @@ def test_every_fp8_mode_is_one_megatron_ext_accepts_for_its_recipe(recipe):
     static = modes[-1]
     assert static.experts == "te" and static.overrides["moe_hybridep_static_expert_splits"]
     assert "--moe-hybridep-static-expert-splits" in static.flags and static.reference == FP8_REFERENCE
+    # The reference runs the experts of the modes checked against it: TE's op-fuser ones where a
+    # capacity mode runs them, else TEGroupedMLP, which static splits feed.
+    reference = modes[0]
+    op_fuser = recipe != "delayed"
+    assert reference.experts == ("te-op-fuser" if op_fuser else "te")
+    assert reference.overrides["use_transformer_engine_op_fuser"] is op_fuser
+    assert ("--use-transformer-engine-op-fuser" in reference.flags) is op_fuser
 
 
 def test_fp8_modes_are_checked_against_their_own_blocking_twin():
