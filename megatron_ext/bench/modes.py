@@ -96,27 +96,20 @@ def fp8_modes(capacity_factor: float, recipe: str) -> tuple[Mode, ...]:
     capacity_flags = (*flex, f"--moe-hybridep-capacity-factor {capacity_factor}", "--moe-hybridep-equal-token-counts")
     capacity = dict(moe_hybridep_capacity_factor=capacity_factor, moe_hybridep_equal_token_counts=True)
     checked = dict(equality="close", reference=FP8_REFERENCE, fp8_recipe=recipe)
-    if recipe in FP8_RECIPES:
-        reference = Mode(
-            FP8_REFERENCE,
-            f"as blocking+te in fp8 ({recipe}): the reference of the fp8 modes",
-            (*flex, *OP_FUSER_FLAGS, *fp8_flags),
-            torch_impl,
-            equality="close",
-            experts="te-op-fuser",
-            fp8_recipe=recipe,
-        )
-    else:  # the static splits' experts, blocking: like against like (TE's op fuser quantizes this recipe its own way)
-        reference = Mode(
-            FP8_REFERENCE,
-            f"as blocking+te in fp8 ({recipe}) with TEGroupedMLP, the experts the static-splits mode runs: "
-            "the reference of the fp8 modes",
-            (*flex, *TE_FLAGS, *fp8_flags),
-            dict(torch_impl, use_transformer_engine_op_fuser=False),
-            equality="close",
-            experts="te",
-            fp8_recipe=recipe,
-        )
+    # The reference runs the experts of the capacity modes checked against it: TE's op-fuser ones,
+    # or for a recipe they cannot take in capacity mode, TEGroupedMLP, which static splits feed
+    # (like against like: TE's op fuser quantizes such a recipe its own way).
+    op_fuser_reference = recipe in FP8_RECIPES
+    reference_of = "" if op_fuser_reference else " with TEGroupedMLP, the experts the static-splits mode runs"
+    reference = Mode(
+        FP8_REFERENCE,
+        f"as blocking+te in fp8 ({recipe}){reference_of}: the reference of the fp8 modes",
+        (*flex, *(OP_FUSER_FLAGS if op_fuser_reference else TE_FLAGS), *fp8_flags),
+        dict(torch_impl, use_transformer_engine_op_fuser=op_fuser_reference),
+        equality="close",
+        experts="te-op-fuser" if op_fuser_reference else "te",
+        fp8_recipe=recipe,
+    )
     op_fuser = Mode(
         "capacity+equal+te+fp8",
         f"as capacity+equal+te in fp8 ({recipe}), checked against {FP8_REFERENCE}",
