@@ -204,7 +204,8 @@ class DelayedScalingState:
     An overflowed step records its own amaxes before it is discarded; without this, its re-run, and
     every step after it, would quantize with scales that a blocking run never had: close to it,
     not the same. A module whose state the step made (its first fp8 step) gets TE's initial state
-    back (scale 1, amax history 0). Device copies only: no host read, nothing in a graph."""
+    back (scale 1, amax history 0). The other recipes' states (current scaling, blockwise) keep no
+    scales between steps and are left alone. Device copies only: no host read, nothing in a graph."""
 
     KEYS = ("scaling_fwd", "scaling_bwd")
 
@@ -225,12 +226,18 @@ class DelayedScalingState:
             for key in self.KEYS:
                 yield index, key, module.fp8_meta.get(key)
 
+    @staticmethod
+    def _delayed(meta: Any) -> bool:
+        """Whether a recipe state carries delayed scaling's scales and amax history (TE's
+        DelayedScalingRecipeState; current-scaling and blockwise states have neither)."""
+        return hasattr(meta, "scale") and hasattr(meta, "amax_history")
+
     def keep(self) -> None:
         live, self._absent = [], set()
         for index, key, meta in self._metas():
             if meta is None:
                 self._absent.add((index, key))
-            else:
+            elif self._delayed(meta):
                 live += [meta.scale, meta.amax_history]
         if [(t.shape, t.dtype, t.device) for t in live] != [(t.shape, t.dtype, t.device) for t in self._kept]:
             self._kept = [torch.empty_like(t) for t in live]
@@ -244,7 +251,7 @@ class DelayedScalingState:
             if self._live:
                 torch._foreach_copy_(self._live, self._kept)
             for index, key, meta in self._metas():
-                if meta is not None and (index, key) in self._absent:
+                if (index, key) in self._absent and self._delayed(meta):
                     meta.scale.fill_(1.0)
                     meta.amax_history.zero_()
 

@@ -612,6 +612,27 @@ def test_delayed_scaling_state_is_kept_and_put_back():
     assert torch.equal(fresh.scale, torch.ones(2))
 
 
+def test_recipe_states_without_delayed_scaling_are_left_alone():
+    """Current-scaling and blockwise recipes keep no scales between steps: their recipe states
+    (TE's Float8CurrentScalingRecipeState, Float8BlockScalingRecipeState) have no scale or amax
+    history, and keeping or putting back a step leaves them as they are (a training run with
+    --fp8-recipe blockwise stopped at its first kept step with an AttributeError before)."""
+    import types
+
+    from megatron_ext.recovery import DelayedScalingState
+
+    blockwise, made_later = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    state_object = types.SimpleNamespace(dtype="e4m3")
+    blockwise.fp8_meta = {"scaling_fwd": state_object, "scaling_bwd": state_object}
+    made_later.fp8_meta = {}
+    state = DelayedScalingState([torch.nn.Sequential(blockwise, made_later)])
+    state.keep()
+    made_later.fp8_meta["scaling_fwd"] = types.SimpleNamespace(dtype="e4m3")  # made by the step
+    state.restore()
+    assert blockwise.fp8_meta["scaling_fwd"] is state_object and vars(state_object) == {"dtype": "e4m3"}
+    assert vars(made_later.fp8_meta["scaling_fwd"]) == {"dtype": "e4m3"}
+
+
 @pytest.mark.parametrize("single_mempool", [True, False], ids=["single-mempool", "pool-per-capture"])
 def test_dropped_full_iteration_graphs_are_captured_again_into_a_new_pool(single_mempool, monkeypatch):
     """With --cuda-graph-use-single-mempool (Megatron's default) every capture names one pool handle
