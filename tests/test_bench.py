@@ -519,7 +519,7 @@ def test_fp8_modes_are_checked_against_their_own_blocking_twin():
 
     def check(runner, mode, out):
         runner.step = lambda stack, x: (out, None)
-        runner.snapshot = lambda stack, out, grad: [out.clone()]
+        runner.snapshot = lambda stack, out, grad: {"output": out.clone()}
         result = ModeResult(mode.name)
         runner._check(None, mode, result, iter(runner.inputs))
         return result
@@ -533,11 +533,69 @@ def test_fp8_modes_are_checked_against_their_own_blocking_twin():
     assert check(runner, fp8_capacity, base * 1.05).equality == "bitwise"
     off = check(runner, fp8_capacity, base * 1.3)
     assert off.status == "differs" and f"differ from {FP8_REFERENCE} on rank 0" in off.detail
+    assert "relative error 0.238 (step 1, output), expected within 0.1" in off.detail
+    assert off.worst_error_at == "step 1, output" and off.step_rel_errors == [off.max_rel_error]
     alone = _cpu_runner()
     alone.expert_load = 1.0
     check(alone, blocking, base)
     orphan = check(alone, fp8_capacity, base)
     assert orphan.status == "differs" and f"no results of {FP8_REFERENCE}" in orphan.detail
+
+
+def test_the_check_names_the_step_and_tensor_of_the_worst_error():
+    """Tensors are matched by name (two stacks may build their experts apart); each checked step's
+    worst error is kept, and where the worst of all is, so that a failed check says what to look at."""
+    from megatron_ext.bench.run import _compare
+
+    torch.manual_seed(0)
+    reference = [{"output": torch.randn(8), "gradient of w": torch.randn(8)} for _ in range(3)]
+    actual = [{name: t.clone() for name, t in step.items()} for step in reference]
+    same = _compare(reference, actual)
+    assert same.bitwise and same.worst == 0.0 and same.worst_at == "" and same.per_step == [0.0, 0.0, 0.0]
+    actual[0]["output"] = reference[0]["output"] * 1.01
+    actual[1]["gradient of w"] = reference[1]["gradient of w"] * 1.2
+    actual[2]["output"] = reference[2]["output"] * 0.95
+    found = _compare(reference, actual)
+    assert not found.bitwise and found.worst_at == "step 2, gradient of w"
+    assert found.per_step == pytest.approx([0.01, 0.2, 0.05]) and found.worst == pytest.approx(0.2)
+    reordered = [dict(reversed(list(step.items()))) for step in actual]  # by name, not by position
+    assert _compare(reference, reordered).per_step == pytest.approx([0.01, 0.2, 0.05])
+    renamed = [{"output": s["output"], "gradient of v": s["gradient of w"]} for s in actual]
+    unmatched = _compare(reference, renamed)
+    assert unmatched.worst == float("inf") and "step 1, tensors in one run only" in unmatched.worst_at
+    assert "gradient of v" in unmatched.worst_at and "gradient of w" in unmatched.worst_at
+    reshaped = [{"output": s["output"].view(2, 4), "gradient of w": s["gradient of w"]} for s in actual]
+    assert _compare(reference, reshaped).worst_at == "step 1, output: shape (2, 4) against (8,)"
+
+
+def test_rounds_and_ranks_keep_the_worst_error_and_where_it_is():
+    from megatron_ext.bench import report
+    from megatron_ext.bench.modes import select
+    from megatron_ext.bench.run import ModeResult
+
+    first = ModeResult("m", max_rel_error=0.02, worst_error_at="step 1, output", step_rel_errors=[0.02, 0.01])
+    first.merge(
+        ModeResult("m", max_rel_error=0.05, worst_error_at="step 2, input gradient", step_rel_errors=[0.0, 0.05])
+    )
+    assert (first.max_rel_error, first.worst_error_at, first.step_rel_errors) == (
+        0.05,
+        "step 2, input gradient",
+        [0.02, 0.05],
+    )
+    first.merge(ModeResult("m", max_rel_error=0.03, worst_error_at="step 1, output"))  # a later round: kept
+    assert (first.max_rel_error, first.worst_error_at, first.step_rel_errors) == (
+        0.05,
+        "step 2, input gradient",
+        [0.02, 0.05],
+    )
+    mode = select(["capacity+equal"], 1.5)[1]
+    other = ModeResult("m", max_rel_error=0.08, worst_error_at="step 1, gradient of w", step_rel_errors=[0.08, 0.01])
+    row = report.aggregate(mode, [first.to_dict(), other.to_dict()])
+    assert (row["max_rel_error"], row["worst_error_at"], row["step_rel_errors"]) == (
+        0.08,
+        "step 1, gradient of w",
+        [0.08, 0.05],
+    )
 
 
 def test_a_graph_modes_step_is_the_replay():

@@ -41,6 +41,7 @@ def aggregate(mode: Mode, per_rank: list[dict]) -> dict[str, Any]:
     equality = next((e for e in ("differs", "close", "bitwise") if e in equalities), "")
     runaheads = [r["runahead"] for r in per_rank if r["runahead"]]
     first = per_rank[0]
+    worst = max(per_rank, key=lambda r: r["max_rel_error"])  # the rank whose error the row reports
     rounds = [max(times) for times in zip(*(r["round_step_ms"] for r in per_rank))]  # slowest rank per round
     probed_rounds = len(first["ran_ahead_rounds"])
     rounds_ran_ahead = min(sum(r["ran_ahead_rounds"]) for r in per_rank)  # on every rank
@@ -56,7 +57,9 @@ def aggregate(mode: Mode, per_rank: list[dict]) -> dict[str, Any]:
         detail=detail,
         equal_to_blocking=equality,  # against `checked_against` (blocking, for every mode but the fp8 ones)
         checked_against=mode.reference,
-        max_rel_error=max(r["max_rel_error"] for r in per_rank),
+        max_rel_error=worst["max_rel_error"],
+        worst_error_at=worst["worst_error_at"],
+        step_rel_errors=[max(errors) for errors in zip(*(r["step_rel_errors"] for r in per_rank))],
         step_ms=_worst([_median(r["step_ms"]) for r in per_rank]),
         round_step_ms=rounds,
         host_step_ms=_worst([_median(r["host_step_ms"]) for r in per_rank]),
@@ -220,7 +223,8 @@ COLUMNS = (
         "outputs, input gradients and every parameter gradient of {check_steps} steps against blocking's (the "
         "reference; for the fp8 modes, against blocking+te+fp8's): 'bitwise', 'close E' (a mode that sums in "
         "another order, within the tolerance; E: the largest relative error), 'differs E' (the run fails), "
-        "'failed', or 'skipped' (why: under the table).",
+        "'failed', or 'skipped' (why: under the table). The JSON names the step and tensor of E "
+        "(worst_error_at) and has each step's largest (step_rel_errors).",
         keep=98,
     ),
     Column(

@@ -57,6 +57,8 @@ class ModeResult:
     detail: str = ""
     equality: str = ""  # 'bitwise' | 'close' | 'differs' (against blocking)
     max_rel_error: float = 0.0
+    worst_error_at: str = ""  # where max_rel_error is: 'step N, TENSOR' (empty: bitwise or not checked)
+    step_rel_errors: list[float] = field(default_factory=list)  # per checked step, the worst tensor's
     step_ms: list[float] = field(default_factory=list)  # every timed step of every round
     round_step_ms: list[float] = field(default_factory=list)  # each round's median
     host_step_ms: list[float] = field(default_factory=list)
@@ -89,7 +91,11 @@ class ModeResult:
         order = ("ok", "skipped", "differs", "failed")
         if order.index(later.status) > order.index(self.status):
             self.status, self.detail, self.equality = later.status, later.detail, later.equality
-        self.max_rel_error = max(self.max_rel_error, later.max_rel_error)
+        if later.max_rel_error > self.max_rel_error:
+            self.max_rel_error, self.worst_error_at = later.max_rel_error, later.worst_error_at
+        if later.step_rel_errors:  # a later round checks against the first (bitwise), and keeps none
+            ours = self.step_rel_errors or [0.0] * len(later.step_rel_errors)
+            self.step_rel_errors = [max(a, b) for a, b in zip(ours, later.step_rel_errors, strict=True)]
         for name in (
             "step_ms",
             "round_step_ms",
@@ -165,11 +171,13 @@ class _Runner:
         (out.float() * self.loss_weights).sum().backward()
         return out, x.grad
 
-    def snapshot(self, stack, out, grad) -> list[torch.Tensor]:
-        tensors = [out.detach(), grad, *(g for _, g in sorted(grads_by_name(stack).items()))]
+    def snapshot(self, stack, out, grad) -> dict[str, torch.Tensor]:
+        """The step's output, input gradient and every parameter gradient, by name."""
+        tensors = {"output": out, "input gradient": grad}
+        tensors.update((f"gradient of {name}", g) for name, g in sorted(grads_by_name(stack).items()))
         # Kept on the device: at the large size a copy to the host and a compare there took longer
         # than the mode's steps (12.9 GB of gradients per snapshot).
-        return [t.detach().clone() for t in tensors]
+        return {name: t.detach().clone() for name, t in tensors.items()}
 
     # ------------------------------------------------------------- one mode
 
@@ -254,7 +262,7 @@ class _Runner:
                 self.expert_load = _expert_load(stack)
             self.progress()
         if mode.name in REFERENCES and mode.name in self.references:  # a later round
-            if not _compare(self.references[mode.name], snapshots)[0]:
+            if not _compare(self.references[mode.name], snapshots).bitwise:
                 result.status, result.equality = "differs", "differs"
                 result.detail = f"{mode.name} is not deterministic on rank {self.rank}: a later round differs"
             else:
@@ -268,12 +276,14 @@ class _Runner:
             result.status, result.equality = "differs", "differs"
             result.detail = f"no results of {mode.reference}, which this mode is checked against (it did not run)"
             return
-        bitwise, error = _compare(self.references[mode.reference], snapshots)
+        compared = _compare(self.references[mode.reference], snapshots)
         if mode.name in REFERENCES:
             self.references[mode.name] = snapshots
-        result.max_rel_error = error
+        result.max_rel_error, result.worst_error_at = compared.worst, compared.worst_at
+        result.step_rel_errors = compared.per_step
+        error = compared.worst
         limit = tolerance(mode, self.sizes.dtype)
-        if bitwise:
+        if compared.bitwise:
             result.equality = "bitwise"
         elif mode.equality == "close" and error <= limit:
             result.equality = "close"
@@ -282,8 +292,8 @@ class _Runner:
             result.status = "differs"
             expected = "bitwise" if mode.equality == "bitwise" else f"within {limit:g}"
             result.detail = (
-                f"outputs/gradients differ from {mode.reference} on rank {self.rank}: relative error {error:.3g}, "
-                f"expected {expected}"
+                f"outputs/gradients differ from {mode.reference} on rank {self.rank}: relative error {error:.3g} "
+                f"({compared.worst_at}), expected {expected}"
             )
 
     def _count(self, stack, timer, managers, result, x) -> None:
@@ -405,19 +415,41 @@ def _expert_load(stack) -> Optional[float]:
     return float(everyone.max() / everyone.mean().clamp_min(1e-9))
 
 
-def _compare(reference: list, actual: list) -> tuple[bool, float]:
-    """(every tensor bitwise equal, worst ||a - b|| / ||b|| over the tensors)."""
-    bitwise, worst = True, 0.0
-    for ref_step, act_step in zip(reference, actual, strict=True):
-        for ref, act in zip(ref_step, act_step, strict=True):
+@dataclass
+class Comparison:
+    """One mode's checked steps against its reference's: `worst` is the largest ||a - b|| / ||b||
+    over every step and tensor, `worst_at` where it is ('step N, TENSOR'; empty when bitwise),
+    `per_step` each step's largest."""
+
+    bitwise: bool
+    worst: float
+    worst_at: str
+    per_step: list[float]
+
+
+def _compare(reference: list[dict], actual: list[dict]) -> Comparison:
+    """Step by step and tensor by tensor (by name: the two stacks may build their experts apart)."""
+    bitwise, worst, worst_at, per_step = True, 0.0, "", []
+    for step, (ref_step, act_step) in enumerate(zip(reference, actual, strict=True), start=1):
+        step_worst = 0.0
+        if ref_step.keys() != act_step.keys():
+            unmatched = sorted(ref_step.keys() ^ act_step.keys())
+            return Comparison(False, float("inf"), f"step {step}, tensors in one run only: {unmatched[:3]}", per_step)
+        for name, ref in ref_step.items():
+            act = act_step[name]
             if ref.shape != act.shape:
-                return False, float("inf")
+                where = f"step {step}, {name}: shape {tuple(act.shape)} against {tuple(ref.shape)}"
+                return Comparison(False, float("inf"), where, per_step)
             if torch.equal(ref, act):
                 continue
             bitwise = False
             diff = (act.float() - ref.float()).norm()  # float32: enough for a relative error, half double's memory
-            worst = max(worst, float(diff / ref.float().norm().clamp_min(1e-30)))
-    return bitwise, worst
+            error = float(diff / ref.float().norm().clamp_min(1e-30))
+            step_worst = max(step_worst, error)
+            if error > worst:
+                worst, worst_at = error, f"step {step}, {name}"
+        per_step.append(step_worst)
+    return Comparison(bitwise, worst, worst_at, per_step)
 
 
 def _runahead(step, sleep_ms: float, timer, layers: int, dispatches_seen: bool = True) -> dict:
