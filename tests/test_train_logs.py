@@ -1,5 +1,7 @@
 """`python -m megatron_ext.tooling.train_logs`: Megatron training logs compared iteration by iteration."""
 
+import pytest
+
 from megatron_ext.tooling import train_logs
 
 HEADER = "  global_batch_size ....... 2\n  seq_length .............. 512\n  world_size .............. 1\n"
@@ -45,4 +47,11 @@ def test_main_reads_files_named_by_run(tmp_path, capsys):
     assert train_logs.main([str(tmp_path / "train-a.log"), str(tmp_path / "train-b.log")]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[2].startswith("| a | 3 | reference |") and out[3].startswith("| b | 3 | identical |"), out
-    assert train_logs.main([]) == 2
+    for argv, said in (([], "the following arguments are required: LOG"), (["--help"], "the first is the reference")):
+        with pytest.raises(SystemExit) as exit_:
+            train_logs.main(argv)
+        assert exit_.value.code == (2 if argv == [] else 0)
+        assert said in "".join(capsys.readouterr())
+    with pytest.raises(SystemExit) as exit_:
+        train_logs.main([str(tmp_path / "train-a.log"), str(tmp_path / "nowhere.log")])
+    assert exit_.value.code == 2 and f"no such log: {tmp_path / 'nowhere.log'}" in capsys.readouterr().err

@@ -11,6 +11,7 @@ capacity mode) reads its logs with the same functions.
 
 from __future__ import annotations
 
+import argparse
 import re
 import statistics
 import sys
@@ -91,11 +92,16 @@ def table(logs: dict[str, str]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    paths = [Path(p) for p in (sys.argv[1:] if argv is None else argv)]
-    if not paths:
-        print("usage: python -m megatron_ext.tooling.train_logs LOG [LOG ...]", file=sys.stderr)
-        return 2
-    print(table({p.stem.removeprefix("train-"): p.read_text(errors="replace") for p in paths}))
+    parser = argparse.ArgumentParser(
+        prog="python -m megatron_ext.tooling.train_logs",
+        description="Megatron training logs compared iteration by iteration with the first one (a markdown table).",
+    )
+    parser.add_argument("logs", nargs="+", type=Path, metavar="LOG", help="a training log; the first is the reference")
+    args = parser.parse_args(argv)
+    missing = [str(p) for p in args.logs if not p.is_file()]
+    if missing:
+        parser.error(f"no such log: {', '.join(missing)}")
+    print(table({p.stem.removeprefix("train-"): p.read_text(errors="replace") for p in args.logs}))
     return 0
 
 
