@@ -3,7 +3,8 @@
 #   mode_flags: what MODE adds to Megatron's flags
 #     capacity (default): --moe-hybridep-capacity-factor 1.5 --moe-hybridep-equal-token-counts
 #     blocking: nothing (Megatron's blocking dispatch, the same run otherwise)
-#   PRECISION: bf16 (default) or fp16; a script passes --$PRECISION.
+#   PRECISION: bf16 (default) or fp16; a script passes --$PRECISION. fp16 with MODE=capacity needs
+#     TE's op-fuser experts (megatron-ext's own compute in bf16 on a GPU; the parse says so).
 #   common_flags: the flags of both modes that every launch script passes; a script adds its
 #     model's sizes and experts, its parallelism, batch, precision, schedule and iterations.
 MODE=${MODE:-capacity}

@@ -45,7 +45,9 @@ import logging
 import os
 import re
 import sys
+import traceback
 import warnings
+from typing import NoReturn
 from unittest import mock
 
 DRY_RUN = "--megatron-ext-dry-run"
@@ -100,6 +102,7 @@ with quiet_imports_in_a_dry_run():
     from megatron_ext.options import (
         CONFIG_PREFIX,
         OPTION_NAMES,
+        HybridEPConfigError,
         HybridEPOptions,
         deep_ep_import_error,
         flag,
@@ -426,8 +429,11 @@ def _dry_run() -> None:
     check_supported(args)
     # validate_args prints every argument (about 800 lines): kept for MEGATRON_EXT_DRY_RUN_ARGS=1.
     arguments = io.StringIO()
-    with no_gpu_queries(), contextlib.redirect_stdout(arguments):
-        validate_args(args)
+    try:
+        with no_gpu_queries(), contextlib.redirect_stdout(arguments):
+            validate_args(args)
+    except AssertionError as exc:  # Megatron's checks of the flags, often a bare assert
+        refuse_in_dry_run(f"Megatron's validate_args refuses these flags: {_assertion(exc)}")
     if os.environ.get("MEGATRON_EXT_DRY_RUN_ARGS") == "1":
         print(arguments.getvalue(), end="")
     if args.world_size % expert_grid(args):
@@ -439,15 +445,29 @@ def _dry_run() -> None:
     try:
         config = core_transformer_config_from_args(args)
     except (ValueError, AssertionError) as exc:  # Megatron's own checks of the config, on this machine
-        print(
-            f"{os.path.basename(sys.argv[0])}: error: Megatron's TransformerConfig refuses these flags here: {exc}",
-            file=sys.stderr,
-        )
-        sys.exit(2)
+        refuse_in_dry_run(f"Megatron's TransformerConfig refuses these flags here: {_assertion(exc)}")
     set_args(args)  # what get_train_valid_test_num_samples reads
+    try:
+        rows = describe(args, config)
+    except HybridEPConfigError as exc:  # what the layer build would refuse (the experts the spec gives)
+        refuse_in_dry_run(str(exc))
     print("megatron-ext dry run: nothing built, no GPU or process group used")
-    for name, value in describe(args, config):
+    for name, value in rows:
         print(f"{name}: {value}")
+
+
+def refuse_in_dry_run(message: str) -> NoReturn:
+    """One line, `<prog>: error: <message>`, exit status 2: as a refused flag at parse time."""
+    print(f"{os.path.basename(sys.argv[0])}: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def _assertion(exc: BaseException) -> str:
+    """An exception's message, or for a bare assert the source line that failed, with its place."""
+    if str(exc):
+        return str(exc)
+    frame = traceback.extract_tb(exc.__traceback__)[-1]
+    return f"{(frame.line or 'assert').strip()} ({os.path.basename(frame.filename)}:{frame.lineno})"
 
 
 def main() -> None:

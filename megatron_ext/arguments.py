@@ -18,7 +18,14 @@ from dataclasses import fields
 from typing import NoReturn
 
 from megatron_ext.logs import first_rank
-from megatron_ext.options import CONFIG_PREFIX, OPTION_NAMES, HybridEPConfigError, flag, validate
+from megatron_ext.options import (
+    CONFIG_PREFIX,
+    OPTION_NAMES,
+    HybridEPConfigError,
+    check_parsed_precision,
+    flag,
+    validate,
+)
 
 GROUP_TITLE = "megatron-ext HybridEP dispatch"
 # How argparse names one of megatron-ext's flags in its own errors ("argument --moe-hybridep-x: ...").
@@ -48,6 +55,7 @@ def install_validation(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
         parsed, extras = parse_known_args(args, namespace)
         try:
             validate(parsed)
+            check_parsed_precision(parsed)
         except HybridEPConfigError as exc:
             refuse(parser, str(exc))
         return parsed, extras

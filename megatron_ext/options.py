@@ -319,6 +319,18 @@ def _check_static_expert_splits(config: Any, options: HybridEPOptions) -> None:
             "without the op fuser, SequentialMLP); --use-transformer-engine-op-fuser's experts take the counts on "
             "the device. Drop one of the two."
         )
+    if getattr(config, "transformer_impl", None) == "local" and getattr(config, "moe_grouped_gemm", False):
+        raise HybridEPConfigError(
+            f"{STATIC_SPLITS_FLAG} with --transformer-impl local --moe-grouped-gemm: {GROUPED_MLP_TAKES_DEVICE_COUNTS}"
+        )
+
+
+# Why static expert splits are refused for megatron-ext's GroupedMLP, and the two fixes.
+GROUPED_MLP_TAKES_DEVICE_COUNTS = (
+    "capacity mode builds megatron-ext's GroupedMLP for these experts, which takes the counts on the device and "
+    "needs no row budgets. Drop the flag, or, for Transformer Engine's TEGroupedMLP (the experts static splits are "
+    "for), use --transformer-impl transformer_engine without --use-transformer-engine-op-fuser (TE installed)."
+)
 
 
 CUTEDSL_GROUPED_MLP_ENV = "NVTE_CUTEDSL_FUSED_GROUPED_MLP"
@@ -407,9 +419,31 @@ def _check_quantized_experts(config: Any, options: HybridEPOptions) -> None:
     ):
         raise HybridEPConfigError(
             f"{CAPACITY_FACTOR_FLAG} with --fp8-format: fp8 experts in capacity mode are Transformer Engine's "
-            "op-fuser experts (megatron-ext's GroupedMLP computes in bf16 or fp16). Add --transformer-impl "
+            "op-fuser experts (megatron-ext's GroupedMLP computes in bf16). Add --transformer-impl "
             "transformer_engine --use-transformer-engine-op-fuser, or drop --fp8-format."
         )
+
+
+def check_parsed_precision(args: Any) -> None:
+    """Parsed launch flags only (a TransformerConfig is checked where its experts are built, by
+    `GroupedMLP._check_config`): capacity mode builds megatron-ext's GroupedMLP for every expert
+    kind but TE's op-fuser experts and static splits' own, and on a GPU it computes in bf16 only."""
+    options = HybridEPOptions.from_config(args)
+    if options.capacity_factor is None or options.static_expert_splits:
+        return
+    te_op_fuser = getattr(args, "transformer_impl", None) == "transformer_engine" and getattr(
+        args, "use_transformer_engine_op_fuser", False
+    )
+    if te_op_fuser or getattr(args, "use_cpu_initialization", False) or getattr(args, "bf16", False):
+        return
+    precision = "--fp16" if getattr(args, "fp16", False) else "fp32 (neither --bf16 nor --fp16)"
+    raise HybridEPConfigError(
+        f"{CAPACITY_FACTOR_FLAG} with {precision}: capacity mode's experts here are megatron-ext's GroupedMLP, "
+        "which computes in bf16 on a GPU (torch's grouped GEMM reads the expert counts on the host for any other "
+        "dtype, a stall in every step). Train with --bf16, or use Transformer Engine's op-fuser experts "
+        "(--transformer-impl transformer_engine --use-transformer-engine-op-fuser), or drop "
+        f"{CAPACITY_FACTOR_FLAG} (blocking dispatch)."
+    )
 
 
 def validate(config: Any) -> HybridEPOptions:
@@ -471,7 +505,7 @@ def validate(config: Any) -> HybridEPOptions:
         if getattr(config, "moe_expert_rank_capacity_factor", None) is not None:
             raise HybridEPConfigError(
                 f"{capacity} and --moe-expert-rank-capacity-factor both size the HybridEP dispatch; "
-                "use one. megatron-ext's calibrates each layer and fails on overflow; Megatron's is "
+                "use one. megatron-ext's calibrates each layer and never trains on an overflow; Megatron's is "
                 "a static budget whose overflow is rerun by the paged-stash runner."
             )
         # Megatron's token-dropping MoE: its router drops the tokens beyond each expert's capacity

@@ -27,6 +27,7 @@ BASE_ARGV = [
     "flex",
     "--moe-flex-dispatcher-backend",
     "hybridep",
+    "--bf16",  # capacity mode's own experts compute in bf16 on a GPU
 ]
 ALL_FLAGS = [
     "--moe-hybridep-capacity-factor",
@@ -743,6 +744,47 @@ def test_patched_parse_args_accepts_fp8_recipes_whose_grouped_gemm_takes_device_
     assert (args.fp8, args.fp8_recipe, args.use_transformer_engine_op_fuser) == ("e4m3", recipe, True)
     # Without capacity mode megatron-ext has nothing to say about fp8.
     assert parse(patched, monkeypatch, "--fp8-format", "e4m3").fp8 == "e4m3"
+
+
+def test_patched_parse_args_refuses_capacity_mode_experts_outside_bf16_on_a_gpu(patched, monkeypatch, capsys):
+    """Capacity mode builds megatron-ext's GroupedMLP unless TE's op-fuser experts or static splits'
+    experts take the layer; on a GPU it runs bf16 only (torch's grouped GEMM reads the counts on the
+    host otherwise). Refused when parsed, not at the model build on the GPU."""
+    capacity = ["--moe-hybridep-capacity-factor", "1.5"]
+    monkeypatch.setattr(sys, "argv", [a for a in [*BASE_ARGV, *capacity, "--fp16"] if a != "--bf16"])
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exc:
+        patched.parse_args()
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.count("\n") == 1, err[-600:]
+    for text in ("--moe-hybridep-capacity-factor with --fp16", "GroupedMLP", "Train with --bf16", TE_OP_FUSER[2]):
+        assert text in err, f"{text!r} not in {err[-600:]!r}"
+    monkeypatch.setattr(sys, "argv", [a for a in [*BASE_ARGV, *capacity] if a != "--bf16"])
+    with pytest.raises(SystemExit):
+        patched.parse_args()
+    assert "with fp32 (neither --bf16 nor --fp16)" in capsys.readouterr().err
+    # What runs in fp16: the blocking dispatch, TE's op-fuser experts, CPU ranks.
+    without_bf16 = [a for a in BASE_ARGV if a != "--bf16"]
+    for extra in ([], [*capacity, *TE_OP_FUSER], [*capacity, "--use-cpu-initialization"]):
+        monkeypatch.setattr(sys, "argv", [*without_bf16, "--fp16", *extra])
+        assert patched.parse_args().fp16, extra
+
+
+def test_patched_parse_args_refuses_static_splits_for_the_local_grouped_experts(patched, monkeypatch, capsys):
+    """The local spec's grouped experts become megatron-ext's GroupedMLP in capacity mode, which takes
+    device counts: static splits are refused when parsed, naming TE's experts as the way to them."""
+    static = ["--moe-hybridep-capacity-factor", "1.5", "--moe-hybridep-static-expert-splits"]
+    err = parse_error(patched, monkeypatch, capsys, *static, "--transformer-impl", "local", "--moe-grouped-gemm")
+    for text in (
+        "--moe-hybridep-static-expert-splits with --transformer-impl local --moe-grouped-gemm",
+        "Drop the flag",
+    ):
+        assert text in err, f"{text!r} not in {err[-600:]!r}"
+    assert "--transformer-impl transformer_engine without --use-transformer-engine-op-fuser" in err
+    # SequentialMLP (no grouped GEMM) and TE's experts are what the flag is for.
+    assert parse(patched, monkeypatch, *static, "--transformer-impl", "local").moe_hybridep_static_expert_splits
+    te = ["--transformer-impl", "transformer_engine", "--moe-grouped-gemm"]
+    assert parse(patched, monkeypatch, *static, *te).moe_hybridep_static_expert_splits
 
 
 @pytest.mark.parametrize("activation", ["--swiglu", "--quick-geglu"])

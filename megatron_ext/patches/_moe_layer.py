@@ -42,13 +42,9 @@ def select_experts(config: Any, submodules: Any) -> Any:
     if HybridEPOptions.from_config(config).static_expert_splits:
         # The experts get host-constant counts: those that split on the host read nothing.
         if isinstance(built, type) and issubclass(built, GroupedMLP):
-            from megatron_ext.options import HybridEPConfigError
+            from megatron_ext.options import GROUPED_MLP_TAKES_DEVICE_COUNTS, STATIC_SPLITS_FLAG, HybridEPConfigError
 
-            raise HybridEPConfigError(
-                "--moe-hybridep-static-expert-splits hands the experts host-constant counts, for experts that split "
-                "their rows on the host; megatron_ext.experts.GroupedMLP takes the counts on the device and needs "
-                "no budgets. Drop --moe-hybridep-static-expert-splits."
-            )
+            raise HybridEPConfigError(f"{STATIC_SPLITS_FLAG} here: {GROUPED_MLP_TAKES_DEVICE_COUNTS}")
         return submodules
     if isinstance(built, type) and issubclass(built, GroupedMLP):
         return submodules
