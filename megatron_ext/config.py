@@ -48,7 +48,8 @@ class HybridEPTransformerConfig(TransformerConfig):
     moe_hybridep_implementation: options.Implementation = options.AUTO
     """[megatron-ext] Which HybridEP buffer dispatches tokens: deep_ep (DeepEP's hybrid-ep
     kernels), torch (megatron-ext's implementation on torch.distributed, any GPU or CPU), or
-    auto (deep_ep where its HybridEPBuffer imports, torch otherwise)."""
+    auto (deep_ep where its HybridEPBuffer imports and takes the hidden size, 128 or more and a
+    multiple of 16; torch otherwise, logged)."""
 
     moe_hybridep_overflow_policy: options.OverflowPolicy = "rerun"
     """[megatron-ext] What a capacity-mode overflow does in Megatron's training loop. rerun: the

@@ -405,13 +405,15 @@ def _check_quantized_experts(config: Any, options: HybridEPOptions) -> None:
     if recipe not in FP8_RECIPES:
         why = {
             "delayed": "TE has no grouped quantization for delayed scaling, so its grouped GEMM would split the "
-            f"rows by counts read on the host (add {STATIC_SPLITS_FLAG} with TEGroupedMLP without the op fuser: "
-            "each expert then gets a fixed row budget, host constants)",
+            f"rows by counts read on the host (or add {STATIC_SPLITS_FLAG} with --transformer-impl transformer_engine "
+            "--moe-grouped-gemm and without --use-transformer-engine-op-fuser: TEGroupedMLP, each expert a fixed "
+            "row budget, host constants)",
             "mxfp8": "TE's grouped GEMM takes the counts on the device for MXFP8 on Blackwell only, and "
             "megatron-ext has not run it",
         }.get(recipe, "TE's grouped GEMM does not take the counts on the device for it")
+        default = " (Megatron's default recipe)" if recipe == "delayed" else ""
         raise HybridEPConfigError(
-            f"{CAPACITY_FACTOR_FLAG} with --fp8-recipe {recipe}: {why}. Use --fp8-recipe "
+            f"{CAPACITY_FACTOR_FLAG} with --fp8-recipe {recipe}{default}: {why}. Use --fp8-recipe "
             f"{' or '.join(FP8_RECIPES)} (Hopper: cuBLASLt >= 13.5, >= 13.6 for blockwise), or drop --fp8-format."
         )
     if getattr(config, "transformer_impl", "transformer_engine") != "transformer_engine" or not getattr(

@@ -722,7 +722,11 @@ TE_OP_FUSER = ["--transformer-impl", "transformer_engine", "--use-transformer-en
 @pytest.mark.parametrize(
     "extra, expected",
     [
-        (["--fp8-format", "e4m3"], ["--fp8-recipe delayed", "grouped quantization", "tensorwise or blockwise"]),
+        (
+            ["--fp8-format", "e4m3"],
+            ["--fp8-recipe delayed (Megatron's default recipe)", "grouped quantization", "tensorwise or blockwise"]
+            + ["--moe-hybridep-static-expert-splits with --transformer-impl transformer_engine"],
+        ),
         (["--fp8-format", "e4m3", "--fp8-recipe", "mxfp8"], ["--fp8-recipe mxfp8", "Blackwell only"]),
         (["--fp8-format", "e4m3", "--fp8-recipe", "tensorwise"], ["op-fuser experts", TE_OP_FUSER[1]]),
         (["--fp4-format", "e2m1", *TE_OP_FUSER], ["with --fp4-format", "NVFP4 on Blackwell only"]),
