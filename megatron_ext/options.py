@@ -8,6 +8,7 @@ construction, and in the dispatcher. Every message names the flag and the fix.
 from __future__ import annotations
 
 import argparse
+import inspect
 import logging
 import math
 import os
@@ -108,13 +109,42 @@ def capacity_factor_argument(text: str) -> float:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
+# What megatron-ext passes to `HybridEPBuffer.dispatch_with_permute` that hybrid-ep builds before
+# non-blocking dispatch (late 2025) lack; megatron-core 0.19 passes them too.
+DEEP_EP_DISPATCH_ARGUMENTS = ("num_permuted_tokens", "non_blocking", "pad_multiple")
+DEEP_EP_TESTED_COMMIT = "94a9f8f"
+
+
 def deep_ep_import_error() -> Optional[str]:
-    """None when `deep_ep.HybridEPBuffer` imports, else why not (imported lazily, here only)."""
+    """None when `deep_ep.HybridEPBuffer` imports and its dispatch takes what megatron-ext passes,
+    else why not (imported lazily, here only)."""
     try:
-        from deep_ep import HybridEPBuffer  # noqa: F401
+        from deep_ep import HybridEPBuffer
     except Exception as exc:  # ImportError, or a CUDA/driver error raised at import
         return f"{type(exc).__name__}: {exc}"
+    missing = [
+        name
+        for name in DEEP_EP_DISPATCH_ARGUMENTS
+        if not accepts_keyword(HybridEPBuffer, "dispatch_with_permute", name)
+    ]
+    if missing:
+        return (
+            f"its dispatch_with_permute takes no {', '.join(missing)}: a hybrid-ep build older than megatron-ext "
+            f"needs (tested: hybrid-ep {DEEP_EP_TESTED_COMMIT})"
+        )
     return None
+
+
+def accepts_keyword(cls: Any, method: str, argument: str) -> bool:
+    """Whether `cls.method` accepts `argument` by keyword (True where its signature cannot be read)."""
+    function = getattr(cls, method, None)
+    if function is None:
+        return False
+    try:
+        parameters = inspect.signature(function).parameters
+    except (TypeError, ValueError):  # a C++ binding without a readable signature
+        return True
+    return argument in parameters or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
 
 
 # deep_ep 1.2.1's HybridEPBuffer allocates, fp8 or not, a scaling-factor buffer of hidden // 128
@@ -557,8 +587,8 @@ def validate(config: Any) -> HybridEPOptions:
         reason = deep_ep_import_error()
         if reason is not None:
             raise HybridEPConfigError(
-                f"{flag('moe_hybridep_implementation')} deep_ep: deep_ep's HybridEPBuffer does not "
-                f"import here ({reason}). Install DeepEP's hybrid-ep branch, or use "
+                f"{flag('moe_hybridep_implementation')} deep_ep: deep_ep's HybridEPBuffer is not usable "
+                f"here ({reason}). Install DeepEP's hybrid-ep branch (tested: {DEEP_EP_TESTED_COMMIT}), or use "
                 f"{flag('moe_hybridep_implementation')} torch (or auto)."
             )
     return options

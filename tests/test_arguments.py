@@ -7,6 +7,7 @@ reverts it, so other test modules in the same process see stock Megatron.
 import logging
 import re
 import sys
+import types
 
 import pytest
 import torch
@@ -368,7 +369,7 @@ def test_patched_parse_args_refuses_deep_ep_when_it_does_not_import(patched, mon
     err = parse_error(patched, monkeypatch, capsys, "--moe-hybridep-implementation", "deep_ep", "--hidden-size", "256")
 
     assert "--moe-hybridep-implementation deep_ep" in err
-    assert "deep_ep's HybridEPBuffer does not import" in err
+    assert "deep_ep's HybridEPBuffer is not usable here (ModuleNotFoundError" in err and "(tested: 94a9f8f)" in err
     assert "--moe-hybridep-implementation torch" in err
 
 
@@ -405,6 +406,29 @@ def test_auto_picks_torch_at_a_hidden_size_deep_ep_cannot_take(monkeypatch, capl
     assert options.resolve_implementation("deep_ep", 64) == "deep_ep"  # explicit: validate() refuses it
     monkeypatch.setattr(options, "deep_ep_import_error", lambda: "ImportError: no deep_ep")
     assert options.resolve_implementation("auto", 4096) == "torch"
+
+
+def test_a_deep_ep_build_without_non_blocking_dispatch_is_not_used(patched, monkeypatch, capsys):
+    """hybrid-ep builds before the non-blocking dispatch import, then fail at the first dispatch
+    with a TypeError: explicit deep_ep is refused when parsed, and auto picks torch."""
+    from megatron_ext import options
+
+    class OldBuffer:
+        def dispatch_with_permute(self, *, hidden, routing_map=None, probs=None, handle=None):
+            pass
+
+    class KeywordsBuffer:  # a signature that takes any keyword is trusted
+        def dispatch_with_permute(self, **kwargs):
+            pass
+
+    monkeypatch.setitem(sys.modules, "deep_ep", types.SimpleNamespace(HybridEPBuffer=OldBuffer))
+    reason = options.deep_ep_import_error()
+    assert reason is not None and "takes no num_permuted_tokens, non_blocking, pad_multiple" in reason
+    assert options.resolve_implementation("auto", 4096) == "torch"
+    err = parse_error(patched, monkeypatch, capsys, "--moe-hybridep-implementation", "deep_ep", "--hidden-size", "256")
+    assert "is not usable here (its dispatch_with_permute takes no num_permuted_tokens" in err, err[-600:]
+    monkeypatch.setitem(sys.modules, "deep_ep", types.SimpleNamespace(HybridEPBuffer=KeywordsBuffer))
+    assert options.deep_ep_import_error() is None
 
 
 def test_patched_parse_args_refuses_unknown_implementation(patched, monkeypatch, capsys):

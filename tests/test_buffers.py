@@ -20,6 +20,13 @@ class _RecordingBuffer:
         self.kwargs = kwargs
 
 
+class _BufferWithoutCustomGather:
+    """A hybrid-ep build from before the persistent all-gather (its constructor lacks the argument)."""
+
+    def __init__(self, group, hidden_dim, max_num_of_tokens_per_rank, num_local_experts, use_fp8=False):
+        self.kwargs = dict(hidden_dim=hidden_dim, max_num_of_tokens_per_rank=max_num_of_tokens_per_rank)
+
+
 @pytest.fixture
 def group(gloo_group, monkeypatch):
     monkeypatch.setitem(sys.modules, "deep_ep", types.SimpleNamespace(HybridEPBuffer=_RecordingBuffer))
@@ -46,7 +53,7 @@ def test_a_smaller_unaligned_count_falls_back_per_call(group, caplog):
     with caplog.at_level(logging.WARNING, logger="megatron_ext"):
         plain = _get(group, 3)  # 3 x 4 = 12 bytes: deep_ep would assert
         assert _get(group, 3) is plain
-    assert plain is not persistent and plain.kwargs["enable_custom_allgather"] is False
+    assert plain is not persistent and "enable_custom_allgather" not in plain.kwargs
     warnings = [r.getMessage() for r in caplog.records if "plain all-gather" in r.getMessage()]
     assert len(warnings) == 1, warnings  # once per count
     assert "3 x 4 bytes" in warnings[0] and "--moe-hybridep-reuse-allgather-buffer" in warnings[0]
@@ -54,8 +61,17 @@ def test_a_smaller_unaligned_count_falls_back_per_call(group, caplog):
 
 
 def test_unaligned_at_creation_uses_the_plain_gather(group):
-    assert _get(group, 5).kwargs["enable_custom_allgather"] is False
+    assert "enable_custom_allgather" not in _get(group, 5).kwargs
 
 
 def test_without_reuse_never_the_persistent_gather(group):
-    assert _get(group, 32, reuse=False).kwargs["enable_custom_allgather"] is False
+    # Not passed at all: builds before the persistent all-gather refuse the keyword.
+    assert "enable_custom_allgather" not in _get(group, 32, reuse=False).kwargs
+
+
+def test_a_build_without_the_persistent_gather_gets_the_plain_one(group, monkeypatch, caplog):
+    monkeypatch.setitem(sys.modules, "deep_ep", types.SimpleNamespace(HybridEPBuffer=_BufferWithoutCustomGather))
+    with caplog.at_level(logging.WARNING, logger="megatron_ext"):
+        plain = _get(group, 32)  # aligned, on one node: only the build lacks it
+    assert plain.kwargs["max_num_of_tokens_per_rank"] == 32 and "enable_custom_allgather" not in plain.kwargs
+    assert any("this deep_ep build has no enable_custom_allgather" in r.getMessage() for r in caplog.records)

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from megatron_ext.hybridep.protocol import HybridEPBuffer
 from megatron_ext.logs import once_per_group
+from megatron_ext.options import accepts_keyword
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +66,8 @@ def create_deep_ep_buffer(
     custom_allgather = False
     if reuse_allgather_buffer:
         reason = custom_allgather_reason(group, num_tokens, num_local_experts * group.size())
+        if reason is None and not accepts_keyword(HybridEPBuffer, "__init__", "enable_custom_allgather"):
+            reason = "this deep_ep build has no enable_custom_allgather"
         custom_allgather = reason is None
         if custom_allgather:
             logger.log(
@@ -78,10 +81,11 @@ def create_deep_ep_buffer(
                 "buffer cannot serve this group (%s); using deep_ep's plain all-gather.",
                 reason,
             )
+    extra = {"enable_custom_allgather": True} if custom_allgather else {}  # builds before 2026-01 lack it
     return HybridEPBuffer(
         group=group,
         hidden_dim=hidden_dim,
         max_num_of_tokens_per_rank=num_tokens,
         num_local_experts=num_local_experts,
-        enable_custom_allgather=custom_allgather,
+        **extra,
     )
