@@ -299,7 +299,8 @@ class HybridEPCapacityManager:
             extremes[0] + extremes[1] == 0,
             device_message(
                 f"megatron-ext: {self.name}: EP ranks hold different token counts (here {num_tokens}) despite "
-                f"{flag('moe_hybridep_equal_token_counts')}; use --moe-hybridep-pad-uneven-dispatch-inputs instead."
+                f"{flag('moe_hybridep_equal_token_counts')}; feed equal batches, or replace it (and the verify flag) "
+                "with --moe-hybridep-pad-uneven-dispatch-inputs."
             ),
         )
 
@@ -574,14 +575,14 @@ class HybridEPCapacityManager:
         if self.record_overflow:
             return
         factor = self.options.capacity_factor
-        budget = "" if budget_map is None else f", or an expert more than its budget of {self.expert_budget}"
+        budget = "" if budget_map is None else f" or an expert its budget of {self.expert_budget}"
+        # The fixes first after the facts: the device's limit cuts what comes after 254 characters.
         torch._assert_async(
             overflow.eq(0),  # the one-element flag as it is (indexing it would cost the host a view)
             device_message(
-                f"megatron-ext: {self.name}: dispatch needed more than its capacity of {self.capacity} rows"
-                f"{budget} ({self.calibrated_rows} calibrated x {factor}); stopped rather than train on truncated "
-                "tokens. "
-                f"Raise {flag('moe_hybridep_capacity_factor')} above {factor}."
+                f"megatron-ext: {self.name}: dispatch overflowed its capacity of {self.capacity} rows{budget}; "
+                f"stopped, not trained on truncated tokens. Raise {flag('moe_hybridep_capacity_factor')} "
+                f"({factor}) or use {flag('moe_hybridep_overflow_policy')} rerun."
             ),
         )
 

@@ -205,8 +205,8 @@ def choose_exchange(group: dist.ProcessGroup, transport, row_bytes: int) -> Opti
     if reason is not None:
         if transport == "nvshmem":
             raise RuntimeError(
-                f"HybridEP: transport='nvshmem' cannot serve this group: {reason}. Use transport='auto' "
-                "or 'process_group' (the group's collectives)."
+                f"--moe-hybridep-transport nvshmem (transport='nvshmem') cannot serve this group: {reason}. Use "
+                "--moe-hybridep-transport auto or process_group (the group's collectives)."
             )
         logger.log(
             once_per_group(logging.INFO, group),

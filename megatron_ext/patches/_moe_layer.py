@@ -79,12 +79,17 @@ def te_expert_count_error(config: Any) -> str | None:
     local = config.num_moe_experts // max(getattr(config, "expert_model_parallel_size", 1) or 1, 1)
     if local <= TE_MAX_EXPERTS_PER_GEMM or getattr(config, "moe_single_grouped_weight", False):
         return None
+    # Megatron refuses one grouped weight with fp8 (but mxfp8, which capacity mode does not take).
+    single_weight = (
+        ""
+        if getattr(config, "fp8", None)
+        else ", or pass --moe-single-grouped-weight with NVTE_GROUPED_LINEAR_SINGLE_PARAM=1"
+    )
     return (
         f"Transformer Engine's grouped GEMM (op fuser) takes at most {TE_MAX_EXPERTS_PER_GEMM} per-expert weights, "
         f"and each rank holds {local} experts (--num-experts {config.num_moe_experts} over "
         f"--expert-model-parallel-size {getattr(config, 'expert_model_parallel_size', 1)}): raise "
-        f"--expert-model-parallel-size to hold at most {TE_MAX_EXPERTS_PER_GEMM} per rank, or pass "
-        "--moe-single-grouped-weight with NVTE_GROUPED_LINEAR_SINGLE_PARAM=1"
+        f"--expert-model-parallel-size to hold at most {TE_MAX_EXPERTS_PER_GEMM} per rank{single_weight}"
     )
 
 
