@@ -43,7 +43,13 @@ from megatron_ext.activation_recompute import ActivationRecompute
 
 
 def _refuse(flag: str, problem: str, fix: str) -> ValueError:
-    return ValueError(f"megatron_ext GroupedMLP does not support {problem} (`{flag}`); {fix}.")
+    # Capacity mode puts these experts in the layer in place of the ones the spec named (logged at
+    # INFO only), so the message says so and names the ways around them too.
+    return ValueError(
+        f"megatron_ext GroupedMLP, the experts --moe-hybridep-capacity-factor builds here, does not support "
+        f"{problem} (`{flag}`); {fix}. Or use Transformer Engine's op-fuser experts (--transformer-impl "
+        "transformer_engine --use-transformer-engine-op-fuser), or drop --moe-hybridep-capacity-factor."
+    )
 
 
 def _sync_refusal(dtype: torch.dtype) -> ValueError:
@@ -53,7 +59,7 @@ def _sync_refusal(dtype: torch.dtype) -> ValueError:
         "--moe-hybridep-capacity-factor",
         f"{dtype} experts on a GPU in capacity mode: torch's grouped GEMM reads the expert counts on the "
         "host for any dtype but bfloat16, which would stall every step",
-        "train with --bf16, or drop --moe-hybridep-capacity-factor (blocking dispatch)",
+        "train with --bf16",
     )
 
 

@@ -360,8 +360,12 @@ REFUSED = [
 
 @pytest.mark.parametrize("overrides, flag", REFUSED, ids=[f for _, f in REFUSED])
 def test_refused_configurations_name_the_flag(pg, overrides, flag):
-    with pytest.raises(ValueError, match=re.escape(flag)):
+    with pytest.raises(ValueError, match=re.escape(flag)) as refused:
         GroupedMLP(L, _config(**overrides), pg_collection=pg)
+    # The user named other experts: the message says capacity mode built these, and the ways around.
+    message = str(refused.value)
+    assert "the experts --moe-hybridep-capacity-factor builds here" in message, message
+    assert "--use-transformer-engine-op-fuser" in message and "drop --moe-hybridep-capacity-factor" in message
 
 
 def test_16_byte_rows_are_accepted(pg):
