@@ -587,6 +587,23 @@ class HybridEPCapacityManager:
         )
 
 
+# Megatron's deep_ep tuning flags, as it passes them to its own HybridEP buffer and dispatch, and
+# their defaults; megatron-ext's manager builds deep_ep's buffer with deep_ep's defaults.
+DEEP_EP_TUNING = (
+    ("moe_flex_dispatcher_num_sms", None),
+    ("moe_hybridep_num_blocks_permute", None),
+    ("moe_hybridep_num_blocks_unpermute", None),
+    ("moe_hybridep_num_sms_preprocessing", 108),
+)
+
+
+def unapplied_deep_ep_tuning(config: Any) -> list[str]:
+    """The deep_ep tuning flags set away from Megatron's defaults on `config`, as flags."""
+    return [
+        "--" + name.replace("_", "-") for name, default in DEEP_EP_TUNING if getattr(config, name, default) != default
+    ]
+
+
 class HybridEPTokenDispatcher(MoEFlexTokenDispatcher):
     """Megatron's flex dispatcher, with megatron-ext's manager for the hybridep backend.
 
@@ -625,6 +642,14 @@ class HybridEPTokenDispatcher(MoEFlexTokenDispatcher):
             implementation=implementation,
         )
         self.cudagraph_attrs = ["_comm_manager.token_probs", "_comm_manager.routing_map"]
+        ignored = unapplied_deep_ep_tuning(config)
+        if ignored and implementation == "deep_ep":
+            logger.log(
+                once_per_group(logging.WARNING, self.tp_ep_group),
+                "megatron-ext: %s have no effect with megatron-ext's dispatch (capacity mode or the torch "
+                "implementation): it builds deep_ep's HybridEPBuffer with deep_ep's defaults.",
+                " and ".join(ignored),
+            )
 
     @property
     def capacity_manager(self) -> HybridEPCapacityManager:

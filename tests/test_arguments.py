@@ -431,6 +431,17 @@ def test_a_deep_ep_build_without_non_blocking_dispatch_is_not_used(patched, monk
     assert options.deep_ep_import_error() is None
 
 
+def test_deep_ep_tuning_flags_that_megatron_ext_does_not_apply_are_named_as_flags(patched, monkeypatch):
+    """megatron-ext's manager builds deep_ep's buffer with deep_ep's defaults: the dispatcher warns
+    with these names, which must be Megatron's real flags (the parse below takes them)."""
+    from megatron_ext.dispatcher import unapplied_deep_ep_tuning
+
+    assert unapplied_deep_ep_tuning(parse(patched, monkeypatch)) == []
+    tuning = ["--moe-flex-dispatcher-num-sms", "24", "--moe-hybridep-num-blocks-permute", "8"]
+    tuning += ["--moe-hybridep-num-blocks-unpermute", "8", "--moe-hybridep-num-sms-preprocessing", "64"]
+    assert unapplied_deep_ep_tuning(parse(patched, monkeypatch, *tuning)) == tuning[::2]
+
+
 def test_patched_parse_args_refuses_unknown_implementation(patched, monkeypatch, capsys):
     err = parse_error(patched, monkeypatch, capsys, "--moe-hybridep-implementation", "foo")
 
