@@ -401,8 +401,9 @@ def test_capacity_mode_refuses_te_op_fuser_that_would_read_counts_on_the_host():
     with _fake_te_grouped_path(supported=True):
         # an older TE: no such check to import
         del sys.modules["transformer_engine.pytorch.ops.basic.grouped_linear"].is_op_fuser_grouped_tensor_path_supported
-        with pytest.raises(HybridEPConfigError, match="no graph-safe grouped GEMM"):
+        with pytest.raises(HybridEPConfigError, match="no graph-safe grouped GEMM") as old_te:
             select_experts(config, te)
+        assert "Install Transformer Engine >= 2.14" in str(old_te.value)  # TE first, not cuBLAS
     no_fuser = types.SimpleNamespace(**{**vars(config), "use_transformer_engine_op_fuser": False})
     assert select_experts(no_fuser, te).experts.__name__ == "GroupedMLP"  # no TE needed without the fuser
 

@@ -106,8 +106,10 @@ def _check_te_takes_device_counts(config: Any) -> None:
     try:
         from transformer_engine.pytorch.ops.basic.grouped_linear import is_op_fuser_grouped_tensor_path_supported
     except ImportError as exc:
-        reason = f"this Transformer Engine has no graph-safe grouped GEMM ({exc}; TE 2.20 has)"
+        reason = f"this Transformer Engine has no graph-safe grouped GEMM ({exc}; TE >= 2.14 has it)"
+        upgrade = "Install Transformer Engine >= 2.14 (tested: 2.20.2) with nvidia-cublas>=13.4"
     else:
+        upgrade = "Install nvidia-cublas>=13.4 (tested: TE 2.20.2 with cuBLAS 13.10)"
         dtype = getattr(config, "params_dtype", None)
         recipe = _fp8_recipe(config)
         if is_op_fuser_grouped_tensor_path_supported(recipe, dtype):
@@ -121,10 +123,9 @@ def _check_te_takes_device_counts(config: Any) -> None:
         f"--moe-hybridep-capacity-factor with --use-transformer-engine-op-fuser: {reason}, so TE would read "
         "the expert counts on the host and split the rows by them, which fails on capacity mode's extra rows. "
         + (
-            "Install nvidia-cublas>=13.4 (and TE >= 2.14), or drop --use-transformer-engine-op-fuser so that "
-            "megatron-ext builds its GroupedMLP experts."
+            f"{upgrade}, or drop --use-transformer-engine-op-fuser so that megatron-ext builds its GroupedMLP experts."
             if not getattr(config, "fp8", None)
-            else "Install nvidia-cublas>=13.6 (and TE >= 2.20), or train the experts in bf16 (drop --fp8-format)."
+            else f"{upgrade.replace('13.4', '13.6')} for fp8, or train the experts in bf16 (drop --fp8-format)."
         )
     )
 
