@@ -54,7 +54,15 @@ from megatron_ext.hybridep import autograd, overflow_flag
 from megatron_ext.hybridep.buffers import get_buffer
 from megatron_ext.hybridep.protocol import Handle, HybridEPBuffer
 from megatron_ext.logs import once_per_group
-from megatron_ext.options import HybridEPOptions, flag, resolve_implementation, validate
+from megatron_ext.options import (
+    AUTO,
+    HybridEPConfigError,
+    HybridEPOptions,
+    deep_ep_import_error,
+    flag,
+    resolve_implementation,
+    validate,
+)
 from megatron_ext.tooling.sync import host_constant
 
 logger = logging.getLogger(__name__)
@@ -587,6 +595,39 @@ class HybridEPCapacityManager:
         )
 
 
+# One verdict per process group: `auto` is resolved the same for every layer of a process.
+_AGREED: dict[Any, str] = {}
+
+
+def agreed_implementation(options: HybridEPOptions, hidden_size: Optional[int], group: Optional[Any]) -> str:
+    """`options.implementation` resolved on this rank; for `auto` with a group of several ranks,
+    checked to be the same on every rank (one object all-gather per group and process). A rank whose
+    deep_ep does not import (a node without it, a driver error at import) would build the torch
+    buffer while the others build deep_ep's, and the two would wait in different collectives:
+    every rank raises instead, naming the ranks and why."""
+    implementation = resolve_implementation(options.implementation, hidden_size)
+    if options.implementation != AUTO or group is None or dist.get_world_size(group) == 1:
+        return implementation
+    key = (group, hidden_size)
+    if key in _AGREED:
+        return _AGREED[key]
+    verdicts: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(verdicts, (implementation, deep_ep_import_error()), group=group)
+    picked = {v[0] for v in verdicts}
+    if len(picked) > 1:
+        by_rank = "; ".join(
+            f"rank {rank}: {chosen}" + (f" ({why})" if chosen == "torch" and why else "")
+            for rank, (chosen, why) in enumerate(verdicts)
+        )
+        raise HybridEPConfigError(
+            f"{flag('moe_hybridep_implementation')} auto picked different buffers on the ranks of one "
+            f"expert-parallel group ({by_rank}); they would wait in different collectives. Make deep_ep "
+            f"import on every node, or pass {flag('moe_hybridep_implementation')} torch."
+        )
+    _AGREED[key] = implementation
+    return implementation
+
+
 # Megatron's deep_ep tuning flags, as it passes them to its own HybridEP buffer and dispatch, and
 # their defaults; megatron-ext's manager builds deep_ep's buffer with deep_ep's defaults.
 DEEP_EP_TUNING = (
@@ -620,7 +661,7 @@ class HybridEPTokenDispatcher(MoEFlexTokenDispatcher):
         pg_collection: Optional[Any] = None,
     ):
         options = HybridEPOptions.from_config(config)
-        implementation = resolve_implementation(options.implementation, config.hidden_size)
+        implementation = agreed_implementation(options, config.hidden_size, getattr(pg_collection, "tp_ep", None))
         self.uses_megatron_ext = config.moe_flex_dispatcher_backend == "hybridep" and (
             options.changes_dispatch or implementation == "torch"
         )

@@ -166,3 +166,37 @@ def test_autograd_without_probs_and_with_probs_alone(gloo_group):
     _, row_probs, _, _ = dispatch(buf, x.detach(), m, p, num_local_experts=4, num_permuted_tokens=24)
     (row_probs * 2).sum().backward()
     assert torch.equal(p.grad, 2 * m.float())
+
+
+def _auto_agrees_or_every_rank_refuses(rank, world_size):
+    import torch.distributed as dist
+
+    from megatron_ext import dispatcher
+    from megatron_ext.options import HybridEPConfigError, HybridEPOptions
+
+    auto = HybridEPOptions(implementation="auto")
+    dispatcher._AGREED.clear()
+    dispatcher.resolve_implementation = lambda requested, hidden: "torch"  # the same everywhere: no error
+    dispatcher.deep_ep_import_error = lambda: "ModuleNotFoundError: no deep_ep"
+    assert dispatcher.agreed_implementation(auto, 256, dist.group.WORLD) == "torch"
+    # A node whose deep_ep does not import: every rank raises, naming each rank's choice and why.
+    dispatcher._AGREED.clear()
+    dispatcher.resolve_implementation = lambda requested, hidden: "deep_ep" if rank == 0 else "torch"
+    dispatcher.deep_ep_import_error = lambda: None if rank == 0 else "ImportError: libcuda mismatch"
+    with pytest.raises(HybridEPConfigError) as refused:
+        dispatcher.agreed_implementation(auto, 256, dist.group.WORLD)
+    message = str(refused.value)
+    assert "--moe-hybridep-implementation auto picked different buffers" in message, message
+    assert "rank 0: deep_ep; rank 1: torch (ImportError: libcuda mismatch)" in message, message
+    assert "--moe-hybridep-implementation torch" in message
+    # An explicit choice is not gathered (nothing to agree on: the parse checked it).
+    explicit = HybridEPOptions(implementation="torch")
+    assert dispatcher.agreed_implementation(explicit, 256, dist.group.WORLD) == ("deep_ep" if rank == 0 else "torch")
+
+
+def test_auto_implementation_is_agreed_across_the_group_or_refused_on_every_rank():
+    """`auto` resolves per rank (deep_ep where it imports); ranks that disagree would build
+    different buffers and wait in different collectives. Checked with one gather at build."""
+    from tests.distributed import run_ranks
+
+    run_ranks(2, _auto_agrees_or_every_rank_refuses)
