@@ -23,7 +23,7 @@ def test_launch_runs_the_script_patched_with_its_arguments(tmp_path):
         )
     )
     argv = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--num-experts", "8"]
-    argv += ["--moe-token-dispatcher-type", "flex", "--moe-flex-dispatcher-backend", "hybridep"]
+    argv += ["--moe-token-dispatcher-type", "flex", "--moe-flex-dispatcher-backend", "hybridep", "--bf16"]
     result = subprocess.run(
         [sys.executable, "-m", "megatron_ext.launch", str(script), *argv, "--moe-hybridep-capacity-factor", "1.5"],
         capture_output=True,
