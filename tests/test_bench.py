@@ -194,7 +194,7 @@ def test_overflow_stops_the_run_and_names_the_mode():
     result = _bench(*TINY, "--world-size", "2", *overflowing)
     assert result.returncode == 1, result.stdout + result.stderr
     assert "FAILED mode capacity+equal on rank" in result.stderr
-    assert "dispatch needed more than its capacity" in result.stderr
+    assert "dispatch overflowed its capacity" in result.stderr
 
 
 DIFFERS = textwrap.dedent(

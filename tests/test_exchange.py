@@ -33,7 +33,10 @@ def _on_two_cpu_ranks(rank, world_size):
     said = [r.getMessage() for r in records]
     if rank == 0:  # the line is said once per group, by its first rank
         assert any("all-gather tokens" in s and "backend is gloo, not nccl" in s for s in said), said
-    with pytest.raises(RuntimeError, match=r"transport=.nvshmem. cannot serve this group: rank 0: no CUDA GPU"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"--moe-hybridep-transport nvshmem \(transport='nvshmem'\) cannot serve this group: rank 0: no CUDA GPU",
+    ):
         choose_exchange(group, "nvshmem", 64)
     with pytest.raises(
         RuntimeError, match=r"hidden rows of 48 bytes: NVSHMEM's all_to_all_vdev needs a multiple of 32"
