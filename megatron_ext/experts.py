@@ -40,6 +40,7 @@ from megatron.core.utils import get_pg_size
 
 from megatron_ext import experts_checkpoint, fused
 from megatron_ext.activation_recompute import ActivationRecompute
+from megatron_ext.options import GROUPED_MLP_WAYS_AROUND
 
 
 def _refuse(flag: str, problem: str, fix: str) -> ValueError:
@@ -47,8 +48,7 @@ def _refuse(flag: str, problem: str, fix: str) -> ValueError:
     # INFO only), so the message says so and names the ways around them too.
     return ValueError(
         f"megatron_ext GroupedMLP, the experts --moe-hybridep-capacity-factor builds here, does not support "
-        f"{problem} (`{flag}`); {fix}. Or use Transformer Engine's op-fuser experts (--transformer-impl "
-        "transformer_engine --use-transformer-engine-op-fuser), or drop --moe-hybridep-capacity-factor."
+        f"{problem} (`{flag}`); {fix}. Or {GROUPED_MLP_WAYS_AROUND}."
     )
 
 

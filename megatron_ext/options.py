@@ -456,6 +456,13 @@ def _check_quantized_experts(config: Any, options: HybridEPOptions) -> None:
         )
 
 
+# What a user can do instead of megatron-ext's GroupedMLP, which capacity mode builds for most experts.
+GROUPED_MLP_WAYS_AROUND = (
+    "use Transformer Engine's op-fuser experts (--transformer-impl transformer_engine "
+    f"--use-transformer-engine-op-fuser), or drop {CAPACITY_FACTOR_FLAG}"
+)
+
+
 def check_parsed_precision(args: Any) -> None:
     """Parsed launch flags only (a TransformerConfig is checked where its experts are built, by
     `GroupedMLP._check_config`): capacity mode builds megatron-ext's GroupedMLP for every expert
@@ -472,9 +479,7 @@ def check_parsed_precision(args: Any) -> None:
     raise HybridEPConfigError(
         f"{CAPACITY_FACTOR_FLAG} with {precision}: capacity mode's experts here are megatron-ext's GroupedMLP, "
         "which computes in bf16 on a GPU (torch's grouped GEMM reads the expert counts on the host for any other "
-        "dtype, a stall in every step). Train with --bf16, or use Transformer Engine's op-fuser experts "
-        "(--transformer-impl transformer_engine --use-transformer-engine-op-fuser), or drop "
-        f"{CAPACITY_FACTOR_FLAG} (blocking dispatch)."
+        f"dtype, a stall in every step). Train with --bf16, or {GROUPED_MLP_WAYS_AROUND} (blocking dispatch)."
     )
 
 

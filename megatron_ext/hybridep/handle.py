@@ -20,8 +20,7 @@ from typing import Any
 import torch
 
 from megatron_ext.hybridep.torch_buffer import HybridEPHandle
-
-TESTED_DEEPEP_COMMIT = "94a9f8f"
+from megatron_ext.options import DEEP_EP_TESTED_COMMIT
 
 
 class UnknownHandleLayoutError(RuntimeError):
@@ -59,7 +58,7 @@ def overflow_flag(handle: Sequence[Any]) -> torch.Tensor:
     raise UnknownHandleLayoutError(
         f"megatron-ext cannot find the overflow flag in this deep_ep HybridEP handle of {entries} entries "
         f"({kinds}). Known layouts: 11 entries with the flag last (DeepEP hybrid-ep up to PR #744; tested at "
-        f"{TESTED_DEEPEP_COMMIT}), 12 entries with num_of_valid_tokens after the flag (#744) or before it "
-        f"(#746). Install DeepEP's hybrid-ep branch at {TESTED_DEEPEP_COMMIT}, or use "
+        f"{DEEP_EP_TESTED_COMMIT}), 12 entries with num_of_valid_tokens after the flag (#744) or before it "
+        f"(#746). Install DeepEP's hybrid-ep branch at {DEEP_EP_TESTED_COMMIT}, or use "
         "--moe-hybridep-implementation torch."
     )

@@ -103,13 +103,14 @@ def _check_te_takes_device_counts(config: Any) -> None:
     too_many = te_expert_count_error(config)
     if too_many is not None:
         raise HybridEPConfigError(f"--use-transformer-engine-op-fuser: {too_many}.")
+    cublas = "13.6" if getattr(config, "fp8", None) else "13.4"  # fp8 blockwise needs 13.6
     try:
         from transformer_engine.pytorch.ops.basic.grouped_linear import is_op_fuser_grouped_tensor_path_supported
     except ImportError as exc:
         reason = f"this Transformer Engine has no graph-safe grouped GEMM ({exc}; TE >= 2.14 has it)"
-        upgrade = "Install Transformer Engine >= 2.14 (tested: 2.20.2) with nvidia-cublas>=13.4"
+        upgrade = f"Install Transformer Engine >= 2.14 (tested: 2.20.2) with nvidia-cublas>={cublas}"
     else:
-        upgrade = "Install nvidia-cublas>=13.4 (tested: TE 2.20.2 with cuBLAS 13.10)"
+        upgrade = f"Install nvidia-cublas>={cublas} (tested: TE 2.20.2 with cuBLAS 13.10)"
         dtype = getattr(config, "params_dtype", None)
         recipe = _fp8_recipe(config)
         if is_op_fuser_grouped_tensor_path_supported(recipe, dtype):
@@ -125,7 +126,7 @@ def _check_te_takes_device_counts(config: Any) -> None:
         + (
             f"{upgrade}, or drop --use-transformer-engine-op-fuser so that megatron-ext builds its GroupedMLP experts."
             if not getattr(config, "fp8", None)
-            else f"{upgrade.replace('13.4', '13.6')} for fp8, or train the experts in bf16 (drop --fp8-format)."
+            else f"{upgrade} for fp8, or train the experts in bf16 (drop --fp8-format)."
         )
     )
 
