@@ -552,12 +552,14 @@ def test_the_check_names_the_step_and_tensor_of_the_worst_error():
     actual = [{name: t.clone() for name, t in step.items()} for step in reference]
     same = _compare(reference, actual)
     assert same.bitwise and same.worst == 0.0 and same.worst_at == "" and same.per_step == [0.0, 0.0, 0.0]
+    assert same.per_tensor == {}
     actual[0]["output"] = reference[0]["output"] * 1.01
     actual[1]["gradient of w"] = reference[1]["gradient of w"] * 1.2
     actual[2]["output"] = reference[2]["output"] * 0.95
     found = _compare(reference, actual)
     assert not found.bitwise and found.worst_at == "step 2, gradient of w"
     assert found.per_step == pytest.approx([0.01, 0.2, 0.05]) and found.worst == pytest.approx(0.2)
+    assert found.per_tensor == pytest.approx({"output": 0.05, "gradient of w": 0.2})  # each one's worst step
     reordered = [dict(reversed(list(step.items()))) for step in actual]  # by name, not by position
     assert _compare(reference, reordered).per_step == pytest.approx([0.01, 0.2, 0.05])
     renamed = [{"output": s["output"], "gradient of v": s["gradient of w"]} for s in actual]
@@ -573,10 +575,23 @@ def test_rounds_and_ranks_keep_the_worst_error_and_where_it_is():
     from megatron_ext.bench.modes import select
     from megatron_ext.bench.run import ModeResult
 
-    first = ModeResult("m", max_rel_error=0.02, worst_error_at="step 1, output", step_rel_errors=[0.02, 0.01])
-    first.merge(
-        ModeResult("m", max_rel_error=0.05, worst_error_at="step 2, input gradient", step_rel_errors=[0.0, 0.05])
+    first = ModeResult(
+        "m",
+        max_rel_error=0.02,
+        worst_error_at="step 1, output",
+        step_rel_errors=[0.02, 0.01],
+        tensor_rel_errors={"output": 0.02, "input gradient": 0.01},
     )
+    first.merge(
+        ModeResult(
+            "m",
+            max_rel_error=0.05,
+            worst_error_at="step 2, input gradient",
+            step_rel_errors=[0.0, 0.05],
+            tensor_rel_errors={"input gradient": 0.05},
+        )
+    )
+    assert first.tensor_rel_errors == {"output": 0.02, "input gradient": 0.05}
     assert (first.max_rel_error, first.worst_error_at, first.step_rel_errors) == (
         0.05,
         "step 2, input gradient",
@@ -589,8 +604,15 @@ def test_rounds_and_ranks_keep_the_worst_error_and_where_it_is():
         [0.02, 0.05],
     )
     mode = select(["capacity+equal"], 1.5)[1]
-    other = ModeResult("m", max_rel_error=0.08, worst_error_at="step 1, gradient of w", step_rel_errors=[0.08, 0.01])
+    other = ModeResult(
+        "m",
+        max_rel_error=0.08,
+        worst_error_at="step 1, gradient of w",
+        step_rel_errors=[0.08, 0.01],
+        tensor_rel_errors={"gradient of w": 0.08, "output": 0.01},
+    )
     row = report.aggregate(mode, [first.to_dict(), other.to_dict()])
+    assert row["tensor_rel_errors"] == {"output": 0.02, "input gradient": 0.05, "gradient of w": 0.08}
     assert (row["max_rel_error"], row["worst_error_at"], row["step_rel_errors"]) == (
         0.08,
         "step 1, gradient of w",

@@ -15,6 +15,15 @@ from megatron_ext.bench.modes import BLOCKING, STOCK, STOCK_TE, Mode
 _STATUS_ORDER = ("ok", "skipped", "differs", "failed")
 
 
+def worst_by_tensor(errors: list[dict[str, float]]) -> dict[str, float]:
+    """Each tensor's largest error over `errors` (rounds, ranks), in the order first seen."""
+    worst: dict[str, float] = {}
+    for by_tensor in errors:
+        for name, error in by_tensor.items():
+            worst[name] = max(worst.get(name, 0.0), error)
+    return worst
+
+
 def _median(values: list[float]) -> Optional[float]:
     return statistics.median(values) if values else None
 
@@ -60,6 +69,7 @@ def aggregate(mode: Mode, per_rank: list[dict]) -> dict[str, Any]:
         max_rel_error=worst["max_rel_error"],
         worst_error_at=worst["worst_error_at"],
         step_rel_errors=[max(errors) for errors in zip(*(r["step_rel_errors"] for r in per_rank))],
+        tensor_rel_errors=worst_by_tensor([r["tensor_rel_errors"] for r in per_rank]),
         step_ms=_worst([_median(r["step_ms"]) for r in per_rank]),
         round_step_ms=rounds,
         host_step_ms=_worst([_median(r["host_step_ms"]) for r in per_rank]),
@@ -224,7 +234,7 @@ COLUMNS = (
         "reference; for the fp8 modes, against blocking+te+fp8's): 'bitwise', 'close E' (a mode that sums in "
         "another order, within the tolerance; E: the largest relative error), 'differs E' (the run fails), "
         "'failed', or 'skipped' (why: under the table). The JSON names the step and tensor of E "
-        "(worst_error_at) and has each step's largest (step_rel_errors).",
+        "(worst_error_at), each step's largest (step_rel_errors) and each tensor's (tensor_rel_errors).",
         keep=98,
     ),
     Column(

@@ -37,6 +37,7 @@ import torch.distributed as dist
 from megatron_ext.bench.counters import DispatchTimer, busy_ms, count_collectives, gpu_operations
 from megatron_ext.bench.graphed import GraphedStep
 from megatron_ext.bench.modes import BLOCKING, GRAPH_SKIP_REASON, REFERENCES, Mode
+from megatron_ext.bench.report import worst_by_tensor
 from megatron_ext.bench.sizes import Sizes
 from megatron_ext.bench.stack import (
     MoEStack,
@@ -59,6 +60,7 @@ class ModeResult:
     max_rel_error: float = 0.0
     worst_error_at: str = ""  # where max_rel_error is: 'step N, TENSOR' (empty: bitwise or not checked)
     step_rel_errors: list[float] = field(default_factory=list)  # per checked step, the worst tensor's
+    tensor_rel_errors: dict[str, float] = field(default_factory=dict)  # per tensor not bitwise, its worst step's
     step_ms: list[float] = field(default_factory=list)  # every timed step of every round
     round_step_ms: list[float] = field(default_factory=list)  # each round's median
     host_step_ms: list[float] = field(default_factory=list)
@@ -96,6 +98,7 @@ class ModeResult:
         if later.step_rel_errors:  # a later round checks against the first (bitwise), and keeps none
             ours = self.step_rel_errors or [0.0] * len(later.step_rel_errors)
             self.step_rel_errors = [max(a, b) for a, b in zip(ours, later.step_rel_errors, strict=True)]
+        self.tensor_rel_errors = worst_by_tensor([self.tensor_rel_errors, later.tensor_rel_errors])
         for name in (
             "step_ms",
             "round_step_ms",
@@ -281,6 +284,7 @@ class _Runner:
             self.references[mode.name] = snapshots
         result.max_rel_error, result.worst_error_at = compared.worst, compared.worst_at
         result.step_rel_errors = compared.per_step
+        result.tensor_rel_errors = compared.per_tensor
         error = compared.worst
         limit = tolerance(mode, self.sizes.dtype)
         if compared.bitwise:
@@ -419,17 +423,18 @@ def _expert_load(stack) -> Optional[float]:
 class Comparison:
     """One mode's checked steps against its reference's: `worst` is the largest ||a - b|| / ||b||
     over every step and tensor, `worst_at` where it is ('step N, TENSOR'; empty when bitwise),
-    `per_step` each step's largest."""
+    `per_step` each step's largest, `per_tensor` each tensor's largest (tensors that differ only)."""
 
     bitwise: bool
     worst: float
     worst_at: str
     per_step: list[float]
+    per_tensor: dict[str, float] = field(default_factory=dict)
 
 
 def _compare(reference: list[dict], actual: list[dict]) -> Comparison:
     """Step by step and tensor by tensor (by name: the two stacks may build their experts apart)."""
-    bitwise, worst, worst_at, per_step = True, 0.0, "", []
+    bitwise, worst, worst_at, per_step, per_tensor = True, 0.0, "", [], {}
     for step, (ref_step, act_step) in enumerate(zip(reference, actual, strict=True), start=1):
         step_worst = 0.0
         if ref_step.keys() != act_step.keys():
@@ -446,10 +451,11 @@ def _compare(reference: list[dict], actual: list[dict]) -> Comparison:
             diff = (act.float() - ref.float()).norm()  # float32: enough for a relative error, half double's memory
             error = float(diff / ref.float().norm().clamp_min(1e-30))
             step_worst = max(step_worst, error)
+            per_tensor[name] = max(per_tensor.get(name, 0.0), error)
             if error > worst:
                 worst, worst_at = error, f"step {step}, {name}"
         per_step.append(step_worst)
-    return Comparison(bitwise, worst, worst_at, per_step)
+    return Comparison(bitwise, worst, worst_at, per_step, per_tensor)
 
 
 def _runahead(step, sleep_ms: float, timer, layers: int, dispatches_seen: bool = True) -> dict:
