@@ -57,3 +57,9 @@ def megatron(nccl_group):
     yield
     megatron_ext.patches.revert(applied)
     parallel_state.destroy_model_parallel()
+    # Stock Megatron keeps one deep_ep buffer per process, bound to the group it was made on, and
+    # reuses it whatever the group: drop it with this module's group, or the next module's stock
+    # runs dispatch over a destroyed communicator.
+    from megatron.core.transformer.moe import fused_a2a
+
+    fused_a2a.reset_hybrid_ep_buffer()

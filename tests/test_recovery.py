@@ -101,7 +101,9 @@ class _DelayedScaled(torch.nn.Module):
             self.fp8_meta["scaling_fwd"] = _meta(torch.ones(1, device=x.device), torch.zeros(2, 1, device=x.device))
         meta = self.fp8_meta["scaling_fwd"]
         grid = 1 / (8 * meta.scale)
-        x = x + (torch.round(x / grid) * grid - x).detach()  # the gradient passes straight through
+        # in x's dtype (the float32 scale would promote a bf16 x, which TE's router GEMM refuses on a GPU)
+        rounded = (torch.round(x.float() / grid) * grid).to(x.dtype)
+        x = x + (rounded - x).detach()  # the gradient passes straight through
         with torch.no_grad():
             meta.amax_history.copy_(torch.roll(meta.amax_history, 1, 0))
             meta.amax_history[0] = x.abs().amax()
