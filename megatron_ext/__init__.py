@@ -3,4 +3,4 @@
 Importing this package never imports Megatron-Core; `import megatron_ext.patches.auto` does.
 """
 
-__version__ = "0.1.0.dev13"
+__version__ = "0.1.0.dev14"
