@@ -542,6 +542,24 @@ def test_fp8_modes_are_checked_against_their_own_blocking_twin():
     assert orphan.status == "differs" and f"no results of {FP8_REFERENCE}" in orphan.detail
 
 
+def test_running_out_of_memory_in_the_check_names_the_flag():
+    """The check keeps every checked step's gradients on the device: running out there says which
+    step and what to lower, not only the allocator's message."""
+    from megatron_ext.bench.modes import select
+    from megatron_ext.bench.run import ModeResult
+
+    runner = _cpu_runner()
+    runner.step = lambda stack, x: (torch.ones(3), None)
+
+    def full(stack, out, grad):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 512.00 MiB.")
+
+    runner.snapshot = full
+    mode = select(["capacity+equal"], 1.5)[1]
+    with pytest.raises(torch.OutOfMemoryError, match=r"checked step 1 of 1 .*lower --check-steps .*512.00 MiB"):
+        runner._check(None, mode, ModeResult(mode.name), iter(runner.inputs))
+
+
 def test_the_check_names_the_step_and_tensor_of_the_worst_error():
     """Tensors are matched by name (two stacks may build their experts apart); each checked step's
     worst error is kept, and where the worst of all is, so that a failed check says what to look at."""

@@ -258,9 +258,16 @@ class _Runner:
 
     def _check(self, stack, mode, result, inputs) -> None:
         snapshots = []
-        for _ in range(self.sizes.check_steps):
+        for index in range(self.sizes.check_steps):
             out, grad = self.step(stack, next(inputs))
-            snapshots.append(self.snapshot(stack, out, grad))
+            try:
+                snapshots.append(self.snapshot(stack, out, grad))
+            except torch.OutOfMemoryError as exc:
+                raise torch.OutOfMemoryError(
+                    f"out of device memory keeping checked step {index + 1} of {self.sizes.check_steps} (its output "
+                    f"and every gradient stay on the device until the mode's check): lower --check-steps or the "
+                    f"stack (--layers). {exc}"
+                ) from exc
             if mode.name == BLOCKING and self.expert_load is None:
                 self.expert_load = _expert_load(stack)
             self.progress()
