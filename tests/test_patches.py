@@ -517,23 +517,51 @@ def test_a_moved_runtime_symbol_patches_nothing(originals, monkeypatch):
     patches.revert()
 
 
+def test_a_replacement_that_raises_patches_nothing(originals, monkeypatch):
+    """A replacement is made before any is set: one that fails (a megatron-ext module that does not
+    import against this Megatron) leaves every target Megatron's own."""
+    last = patches.PATCHES[-1]
+
+    def broken(original):
+        raise ImportError("cannot import name 'moved' from 'megatron.core.somewhere'")
+
+    monkeypatch.setattr(patches, "PATCHES", (*patches.PATCHES[:-1], patches._Patch(last.target, broken, last.feature)))
+    with pytest.raises(ImportError, match="moved"):
+        patches.apply()
+    assert patches.applied() == ()
+    assert_stock(originals)
+
+
 def test_every_megatron_symbol_imported_inside_a_function_is_a_runtime_symbol():
     """The imports megatron-ext's modules make when a function runs (after `apply()` checked the
-    release) must be in RUNTIME_SYMBOLS: a symbol a later release moved is then named at `apply()`.
-    (Module-level imports fail when `apply()` imports the module; the bench and tools are not
-    training code.)"""
+    release) must be in RUNTIME_SYMBOLS: a symbol a later release moved is then named at `apply()`,
+    before anything is patched. So must the module-level imports of every module that importing
+    `megatron_ext.patches` does not load (the dispatcher, the experts: imported by a patch's
+    replacement or at the model build). The bench and tools are not training code."""
     import ast
+    import subprocess
+    import sys
     from pathlib import Path
 
     listed = {symbol for symbol, _ in patches.RUNTIME_SYMBOLS}
     package = Path(patches.__file__).parent.parent
+    loaded = subprocess.run(
+        [sys.executable, "-c", "import sys, megatron_ext.patches; print(*sorted(sys.modules))"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
     unlisted = []
     for path in sorted(package.rglob("*.py")):
-        if {"bench", "tooling"} & set(path.relative_to(package).parts):
+        relative = path.relative_to(package)
+        if {"bench", "tooling"} & set(relative.parts):
             continue
-        for function in ast.walk(ast.parse(path.read_text())):
-            if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                continue
+        module = ".".join((package.name, *relative.with_suffix("").parts)).removesuffix(".__init__")
+        tree = ast.parse(path.read_text())
+        scopes = [f for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))]
+        if module not in loaded:
+            scopes.append(ast.Module(body=[n for n in tree.body if isinstance(n, ast.ImportFrom)], type_ignores=[]))
+        for function in scopes:
             for node in ast.walk(function):
                 if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("megatron."):
                     for alias in node.names:

@@ -159,6 +159,7 @@ FEATURES = ("dispatcher", "experts", "arguments", "training")
 # anything, so a release that moved one is refused with its name, never an AttributeError in a step.
 RUNTIME_SYMBOLS: tuple[tuple[str, str], ...] = (
     ("megatron.core.transformer.moe.token_dispatcher.MoEFlexTokenDispatcher", "dispatcher"),
+    ("megatron.core.transformer.moe.token_dispatcher.MoETokenDispatcher", "dispatcher"),
     ("megatron.core.transformer.moe.moe_utils.get_align_size_for_quantization", "dispatcher"),
     ("megatron.core.transformer.moe.moe_logging.get_moe_metrics_tracker", "dispatcher"),
     ("megatron.core.transformer.cuda_graphs.is_graph_warmup", "dispatcher"),
@@ -167,6 +168,14 @@ RUNTIME_SYMBOLS: tuple[tuple[str, str], ...] = (
     ("megatron.core.transformer.moe.moe_utils.get_default_pg_collection", "experts"),
     ("megatron.core.fp8_utils.get_fp8_recipe", "experts"),
     ("megatron.core.transformer.utils.make_sharded_object_for_checkpoint", "experts"),
+    ("megatron.core.tensor_parallel.random.get_cuda_rng_tracker", "experts"),
+    ("megatron.core.tensor_parallel.random.get_expert_parallel_rng_tracker_name", "experts"),
+    ("megatron.core.transformer.module.MegatronModule", "experts"),
+    ("megatron.core.utils.get_pg_size", "experts"),
+    ("megatron.core.utils.get_pg_rank", "experts"),
+    ("megatron.core.dist_checkpointing.mapping.ShardedTensor", "experts"),
+    ("megatron.core.transformer.transformer_config.TransformerConfig", "arguments"),
+    ("megatron.core.transformer.transformer_config.MLATransformerConfig", "arguments"),
     ("megatron.core.transformer.enums.CudaGraphModule", "arguments"),
     ("megatron.training.argument_utils.ArgumentGroupFactory", "arguments"),
     ("megatron.core.models.gpt.gpt_layer_specs.LNImpl", "arguments"),
@@ -219,10 +228,13 @@ def apply(*, dispatcher: bool = True, experts: bool = True, arguments: bool = Tr
                 f"< {'.'.join(map(str, SUPPORTED_MEGATRON_CORE[1]))})."
             )
         owners.append((owner, attribute))
+    # Every replacement is made (importing megatron-ext's modules) before the first is set: one
+    # that raises leaves Megatron as it was.
+    originals = [vars(owner)[attribute] for owner, attribute in owners]
+    replacements = [patch.replacement(original) for patch, original in zip(todo, originals)]
     done = []
-    for patch, (owner, attribute) in zip(todo, owners):
-        original = vars(owner)[attribute]
-        setattr(owner, attribute, patch.replacement(original))
+    for patch, (owner, attribute), original, replacement in zip(todo, owners, originals, replacements):
+        setattr(owner, attribute, replacement)
         _applied[patch.target] = (owner, attribute, original)
         logger.debug("megatron-ext: patched %s", patch.target)
         done.append(patch.target)
