@@ -628,6 +628,14 @@ def agreed_implementation(options: HybridEPOptions, hidden_size: Optional[int], 
     return implementation
 
 
+def layer_implementation(config: Any, options: HybridEPOptions, group: Optional[Any]) -> str:
+    """The HybridEP implementation a flex dispatcher on `config` uses: agreed across `group` for the
+    hybridep backend only. The other backends build no HybridEP buffer, so what `auto` resolves to
+    there is never used and ranks need not gather it (nor be refused over it)."""
+    hybridep = getattr(config, "moe_flex_dispatcher_backend", None) == "hybridep"
+    return agreed_implementation(options, config.hidden_size, group if hybridep else None)
+
+
 # Megatron's deep_ep tuning flags, as it passes them to its own HybridEP buffer and dispatch, and
 # their defaults; megatron-ext's manager builds deep_ep's buffer with deep_ep's defaults.
 DEEP_EP_TUNING = (
@@ -661,7 +669,7 @@ class HybridEPTokenDispatcher(MoEFlexTokenDispatcher):
         pg_collection: Optional[Any] = None,
     ):
         options = HybridEPOptions.from_config(config)
-        implementation = agreed_implementation(options, config.hidden_size, getattr(pg_collection, "tp_ep", None))
+        implementation = layer_implementation(config, options, getattr(pg_collection, "tp_ep", None))
         self.uses_megatron_ext = config.moe_flex_dispatcher_backend == "hybridep" and (
             options.changes_dispatch or implementation == "torch"
         )

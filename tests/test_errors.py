@@ -7,6 +7,7 @@ gloo group, and a stand-in group that claims two ranks for the checks that need 
 from __future__ import annotations
 
 import re
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -192,6 +193,17 @@ def _auto_agrees_or_every_rank_refuses(rank, world_size):
     # An explicit choice is not gathered (nothing to agree on: the parse checked it).
     explicit = HybridEPOptions(implementation="torch")
     assert dispatcher.agreed_implementation(explicit, 256, dist.group.WORLD) == ("deep_ep" if rank == 0 else "torch")
+    # Only the hybridep backend builds a HybridEP buffer: the others neither gather nor refuse.
+    dispatcher._AGREED.clear()
+    for backend, refused in (("deepep", False), ("hybridep", True)):
+        config = SimpleNamespace(moe_flex_dispatcher_backend=backend, hidden_size=256)
+        if refused:
+            with pytest.raises(HybridEPConfigError, match="picked different buffers"):
+                dispatcher.layer_implementation(config, auto, dist.group.WORLD)
+        else:
+            assert dispatcher.layer_implementation(config, auto, dist.group.WORLD) == (
+                "deep_ep" if rank == 0 else "torch"
+            )
 
 
 def test_auto_implementation_is_agreed_across_the_group_or_refused_on_every_rank():
