@@ -40,14 +40,14 @@ from megatron.core.utils import get_pg_size
 
 from megatron_ext import experts_checkpoint, fused
 from megatron_ext.activation_recompute import ActivationRecompute
-from megatron_ext.options import GROUPED_MLP_WAYS_AROUND
+from megatron_ext.options import CAPACITY_FACTOR_FLAG, GROUPED_MLP_WAYS_AROUND
 
 
 def _refuse(flag: str, problem: str, fix: str) -> ValueError:
     # Capacity mode puts these experts in the layer in place of the ones the spec named (logged at
     # INFO only), so the message says so and names the ways around them too.
     return ValueError(
-        f"megatron_ext GroupedMLP, the experts --moe-hybridep-capacity-factor builds here, does not support "
+        f"megatron_ext GroupedMLP, the experts {CAPACITY_FACTOR_FLAG} builds here, does not support "
         f"{problem} (`{flag}`); {fix}. Or {GROUPED_MLP_WAYS_AROUND}."
     )
 
@@ -56,7 +56,7 @@ def _sync_refusal(dtype: torch.dtype) -> ValueError:
     # torch's grouped GEMM has a CUDA kernel for bfloat16 alone; for other dtypes it loops over the
     # experts with the offsets copied to the host, a synchronisation in every expert call.
     return _refuse(
-        "--moe-hybridep-capacity-factor",
+        CAPACITY_FACTOR_FLAG,
         f"{dtype} experts on a GPU in capacity mode: torch's grouped GEMM reads the expert counts on the "
         "host for any dtype but bfloat16, which would stall every step",
         "train with --bf16",

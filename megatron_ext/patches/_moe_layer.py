@@ -98,7 +98,7 @@ def _check_te_takes_device_counts(config: Any) -> None:
     (older TE or cuBLASLt, fp32, an fp8 recipe it has no grouped quantization for) it reads them on
     the host and splits the rows by them, which fails on capacity mode's extra rows deep in a step:
     refuse here instead, with the fix. Too many local experts for its grouped GEMM are refused too."""
-    from megatron_ext.options import HybridEPConfigError
+    from megatron_ext.options import CAPACITY_FACTOR_FLAG, HybridEPConfigError
 
     too_many = te_expert_count_error(config)
     if too_many is not None:
@@ -121,7 +121,7 @@ def _check_te_takes_device_counts(config: Any) -> None:
             "cuBLASLt >= 13.4; fp8 tensorwise >= 13.5, blockwise >= 13.6)"
         )
     raise HybridEPConfigError(
-        f"--moe-hybridep-capacity-factor with --use-transformer-engine-op-fuser: {reason}, so TE would read "
+        f"{CAPACITY_FACTOR_FLAG} with --use-transformer-engine-op-fuser: {reason}, so TE would read "
         "the expert counts on the host and split the rows by them, which fails on capacity mode's extra rows. "
         + (
             f"{upgrade}, or drop --use-transformer-engine-op-fuser so that megatron-ext builds its GroupedMLP experts."
