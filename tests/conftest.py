@@ -23,7 +23,7 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
     if torch.cuda.is_available():
         return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU (run on the H200 machine: pytest -m gpu)")
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (run `pytest -m gpu` where one is visible)")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)

@@ -5,7 +5,7 @@ on the device. The fail policy's device assert ends its process, so it runs in a
 shift cannot outgrow a capacity and the forced overflow (a capacity of 4 rows) is the one that does.
 
 The layers are the CPU checks' (hidden 16), which deep_ep's buffer does not take (its constructor
-aborted the process on the H200, 2026-12-01), so they run on the PyTorch implementation here; the
+aborted the process on an H200, 2026-12-01), so they run on the PyTorch implementation here; the
 policy on deep_ep runs in the bench's `deep_ep+capacity+equal+reuse+rerun` mode.
 """
 

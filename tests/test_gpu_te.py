@@ -27,7 +27,7 @@ def transformer_engine():
 
     reason = te_import_error()
     if reason is not None:
-        pytest.skip(f"needs Transformer Engine (on the GPU machine: ../shared/tools/gpu_stack_prepare.sh): {reason}")
+        pytest.skip(f"needs Transformer Engine 2.14 or newer (docs/install.md): {reason}")
     allow_gated_op_fuser_experts()  # SwiGLU on the op fuser, as a launch script must export it
 
 
