@@ -1,5 +1,5 @@
-"""Run a function on W spawned ranks (one spawn, many cases): CPU ranks on gloo, or one rank per
-GPU on NCCL."""
+"""Run a function on W spawned ranks (one spawn, many cases): CPU ranks on gloo, one rank per GPU
+on NCCL, or ranks sharing a GPU on gloo (`megatron_ext.tooling.ranks.Placement`)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from megatron_ext.tooling.ranks import run_on_ranks
+from megatron_ext.tooling.ranks import Placement, become_rank, placement_of, run_on_ranks
 
 
 def _one_thread(rank, world_size, fn, *args):
@@ -26,28 +26,27 @@ def _one_thread(rank, world_size, fn, *args):
 COLLECTIVE_TIMEOUT_S = 600
 
 
-def run_ranks(world_size: int, fn, *args, backend: str = "gloo") -> None:
+def run_ranks(world_size: int, fn, *args, backend: str = "gloo", where: Placement | None = None) -> None:
     """Call fn(rank, world_size, *args) on `world_size` spawned processes; re-raise the first failure.
 
     `fn` must be importable (a module-level function of a test module). With backend "nccl" rank i
-    runs on GPU i. (`megatron_ext.tooling.ranks.run_on_ranks`.)
+    runs on GPU i; `where` places them otherwise. (`megatron_ext.tooling.ranks.run_on_ranks`.)
     """
-    run_on_ranks(_one_thread, world_size, fn, *args, backend=backend, timeout_s=COLLECTIVE_TIMEOUT_S)
+    where = where or placement_of(backend)
+    run_on_ranks(_one_thread, world_size, fn, *args, where=where, timeout_s=COLLECTIVE_TIMEOUT_S)
 
 
 @contextlib.contextmanager
 def one_rank_group(backend: str, folder: Path):
     """This process as the only rank of a `backend` group (rendezvous file in `folder`; on NCCL,
     GPU 0): yields the group, destroys it on exit. The conftest's gloo_group/nccl_group fixtures."""
-    if backend == "nccl":
-        import torch
-
-        torch.cuda.set_device(0)
+    previous = become_rank(placement_of(backend), 0)
     dist.init_process_group(backend, init_method=f"file://{folder / 'init'}", rank=0, world_size=1)
     try:
         yield dist.group.WORLD
     finally:
         dist.destroy_process_group()
+        become_rank(previous, 0)
 
 
 class Checks:
@@ -79,11 +78,13 @@ def merged_results(out_dir, world_size) -> dict:
     return merged
 
 
-def rank_results(tmp_path_factory, world_size: int, worker, *args, backend: str = "gloo") -> dict:
+def rank_results(
+    tmp_path_factory, world_size: int, worker, *args, backend: str = "gloo", where: Placement | None = None
+) -> dict:
     """run_ranks(world_size, worker, out_dir, *args) into a fresh folder, then merged_results:
     `worker(rank, world_size, out_dir, *args)` saves its Checks in out_dir."""
     out_dir = tmp_path_factory.mktemp(f"{worker.__module__.rsplit('.', 1)[-1]}_world{world_size}")
-    run_ranks(world_size, worker, str(out_dir), *args, backend=backend)
+    run_ranks(world_size, worker, str(out_dir), *args, backend=backend, where=where)
     return merged_results(out_dir, world_size)
 
 

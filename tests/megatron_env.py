@@ -14,15 +14,16 @@ from megatron_ext.tooling.cpu_ranks import use_cpu_ranks
 
 
 def on_gpu() -> bool:
-    """True on NCCL ranks (one GPU each): layers and inputs go to the rank's GPU."""
-    import torch.distributed as dist
+    """True on GPU ranks (one NCCL rank per GPU, or gloo ranks sharing a GPU): layers and inputs go
+    to the rank's GPU."""
+    from megatron_ext.tooling.ranks import placement
 
-    return dist.is_initialized() and dist.get_backend() == "nccl"
+    return placement().device == "cuda"
 
 
 def init_megatron(world_size: int) -> None:
     """Megatron's parallel state with every rank in one expert-parallel group (the process group
-    already up): CPU stand-ins on gloo ranks, Megatron's CUDA RNG on NCCL ranks."""
+    already up): CPU stand-ins on CPU ranks, Megatron's CUDA RNG on GPU ranks."""
     from megatron.core import parallel_state
 
     if on_gpu():

@@ -24,6 +24,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from megatron_ext.tooling.ranks import Placement
 from tests.distributed import run_ranks
 
 WORLD, LAYERS, TOKENS, HIDDEN, EXPERTS, TOPK, STEPS, ROUNDS = 2, 2, 64, 32, 4, 2, 2, 2
@@ -245,6 +246,8 @@ def test_a_mode_that_differs_fails_the_run_by_name():
         (["--steps", "0"], "--steps must be at least 1"),
         (["--json", "/no/such/folder/out.json"], "--json /no/such/folder/out.json: cannot write there"),
         (["--json", "/"], "--json /: cannot write there"),
+        (["--ranks-per-gpu", "2", "--device", "cpu"], "--ranks-per-gpu 2: ranks share GPUs, and no CUDA device"),
+        (["--ranks-per-gpu", "0"], "--ranks-per-gpu must be at least 1"),
     ],
 )
 def test_bad_arguments_are_refused_with_the_fix(argv, message, capsys, monkeypatch):
@@ -908,7 +911,9 @@ def test_the_printed_report_says_cpu_times_are_no_figures_and_explains_on_reques
     sizes = _cpu_runner().sizes
 
     def printed(cuda, **flags):
-        args = argparse.Namespace(device="cuda" if cuda else "cpu", wide=False, explain=False, json=None, plot="p.png")
+        device = "cuda" if cuda else "cpu"
+        args = argparse.Namespace(device=device, wide=False, explain=False, json=None, plot="p.png")
+        args.placement = Placement(device)
         vars(args).update(flags)
         rows = [r for r in _synthetic_rows(cuda) if r["status"] in ("ok", "skipped")]
         cli._print_report(args, sizes, 4, rows, {}, [])
@@ -927,8 +932,12 @@ def test_the_printed_report_says_cpu_times_are_no_figures_and_explains_on_reques
     )
     assert not any(line.startswith("--wide adds") for line in explained)
     on_gpu = printed(cuda=True)
-    assert report.CPU_NOTE not in on_gpu and plots[-1] is None
+    assert report.CPU_NOTE not in on_gpu and report.SHARED_GPU_NOTE not in on_gpu and plots[-1] is None
     assert max(len(line) for line in on_gpu) <= 120
+    shared = printed(cuda=True, placement=Placement("cuda", ranks_per_gpu=4))  # gloo ranks sharing a GPU
+    header = next(i for i, line in enumerate(shared) if line.startswith("mode "))
+    assert shared[header - 1] == report.SHARED_GPU_NOTE and plots[-1] == report.SHARED_GPU_NOTE
+    assert max(len(line) for line in shared) <= 120
 
 
 def test_the_plot_on_cpu_ranks_says_its_times_are_no_figures(tmp_path):

@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
-import subprocess
 
 import pytest
 import torch
 
 from tests import test_torch_buffer
+from tests.cuda_mps import private_mps
 from tests.distributed import Checks, assert_ok, run_ranks
 
 pytestmark = pytest.mark.gpu
@@ -54,30 +53,10 @@ def mps():
     """A private CUDA MPS daemon for this module's child processes."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    control = shutil.which("nvidia-cuda-mps-control")
-    if control is None:
-        pytest.skip("needs CUDA MPS (nvidia-cuda-mps-control) to run two NVSHMEM ranks on one GPU")
     from megatron_ext.hybridep.exchange import nvshmem_unavailable  # noqa: F401 - import check only
 
-    root = os.path.join("/tmp", f"megatron_ext_mps_{os.getpid()}")
-    env = {"CUDA_MPS_PIPE_DIRECTORY": f"{root}/pipe", "CUDA_MPS_LOG_DIRECTORY": f"{root}/log"}
-    for folder in env.values():
-        os.makedirs(folder, exist_ok=True)
-    # NVSHMEM gives the ranks of one GPU full support only when their MPS thread shares sum to
-    # 100 or less (else "limited MPG", and it ends the process at the first team split).
-    env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(100 // WORLD)
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    subprocess.run([control, "-d"], check=True, env=os.environ.copy(), timeout=30)
-    try:
+    with private_mps(WORLD):
         yield
-    finally:
-        subprocess.run([control], input="quit\n", text=True, env=os.environ.copy(), timeout=30)
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 @pytest.fixture(scope="module")

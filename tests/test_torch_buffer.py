@@ -80,10 +80,10 @@ def _reference_forward_backward(hidden, maps, probs, weights, world_size, pad_mu
 
 
 def _device():
-    """The rank's device: its GPU on an NCCL group, else the CPU."""
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    """The rank's device: its GPU on GPU ranks, else the CPU."""
+    from megatron_ext.tooling.ranks import rank_device
+
+    return rank_device()
 
 
 def _cpu(result):

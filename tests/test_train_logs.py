@@ -24,8 +24,8 @@ def test_logs_are_compared_with_the_first_at_every_iteration():
     }
     lines = train_logs.table(logs).splitlines()
     # median of iterations 11-14: 22, 20, 21, 22 ms -> 21.5; 1024 tokens per iteration on 1 GPU
-    assert lines[2] == "| blocking | 14 | reference | 21.5 | 47,628 | 0.667 |", lines[2]
-    assert lines[3] == "| graphed | 14 | identical | 5.0 | 204,800 | 0.667 |", lines[3]
+    assert lines[2] == "| blocking | 14 | reference | 21.5 | 47,628 | 0.667 | 0 | 0 |", lines[2]
+    assert lines[3] == "| graphed | 14 | identical | 5.0 | 204,800 | 0.667 | 0 | 0 |", lines[3]
     assert lines[4].startswith("| drifted | 14 | differs: iteration 12: lm loss 1.012E+01 against 9.9E+00 |"), lines[4]
 
 
@@ -55,3 +55,26 @@ def test_main_reads_files_named_by_run(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_:
         train_logs.main([str(tmp_path / "train-a.log"), str(tmp_path / "nowhere.log")])
     assert exit_.value.code == 2 and f"no such log: {tmp_path / 'nowhere.log'}" in capsys.readouterr().err
+
+
+RERUN_AND_GROWTHS = """\
+WARNING:megatron_ext.recovery:megatron-ext: a capacity-mode MoE dispatch overflowed in this step; its gradients are \
+discarded and its micro-batches run again with blocking dispatches (re-run 1).
+WARNING:megatron_ext.dispatcher:megatron-ext: MoE layer 2: capacity 104 -> 160 (a re-run after an overflow needed: \
+106 rows, EP-group max, x 1.5).
+WARNING:megatron_ext.dispatcher:megatron-ext: MoE layer 3: capacity 100 -> 152 (a re-run after an overflow needed: \
+101 rows, EP-group max, x 1.5).
+WARNING:megatron_ext.dispatcher:megatron-ext: MoE layer 2: capacity 104 -> 160 (a re-run after an overflow needed: \
+106 rows, EP-group max, x 1.5).
+WARNING:megatron_ext.recovery:megatron-ext: a capacity-mode MoE dispatch overflowed in this step; its gradients are \
+discarded and its micro-batches run again with blocking dispatches (re-run 2).
+"""
+
+
+def test_reruns_and_capacity_growths_are_counted_once_each():
+    # layer 2's growth appears twice (said again, as by another rank of its group): counted once
+    assert train_logs.reruns_and_growths(RERUN_AND_GROWTHS) == (2, 2)
+    assert train_logs.reruns_and_growths("") == (0, 0)
+    rows = [(i, 20.0, "1.0E+01", "4.0") for i in range(1, 4)]
+    lines = train_logs.table({"a": _log(rows), "b": _log(rows) + RERUN_AND_GROWTHS}).splitlines()
+    assert lines[3].endswith("| 0.667 | 2 | 2 |"), lines[3]

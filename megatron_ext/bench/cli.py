@@ -1,6 +1,7 @@
 """`megatron-ext-bench`: every dispatch mode on the same Megatron MoE stack, checked and measured.
 
     megatron-ext-bench                        # one rank per GPU (NCCL); without a GPU, 4 CPU ranks (gloo)
+    megatron-ext-bench --ranks-per-gpu 4      # 4 ranks sharing each GPU (gloo): expert parallelism rehearsed
     megatron-ext-bench --json out.json --plot out.png
     megatron-ext-bench --size mid --steps 10      # a named stack size (sizes.SIZES); a size flag overrides its field
     torchrun --nproc-per-node 8 -m megatron_ext.bench --size large
@@ -35,7 +36,7 @@ from megatron_ext.bench.sizes import DEFAULT_SIZE, SIZES, SizedParser, Sizes, de
 from megatron_ext.bench.stack import DTYPES
 from megatron_ext.logs import log_with_rank_prefix
 from megatron_ext.options import FP8_RECIPES, STATIC_SPLITS_FP8_RECIPES, capacity_factor_argument
-from megatron_ext.tooling.ranks import run_on_ranks, this_rank, under_torchrun
+from megatron_ext.tooling.ranks import Placement, run_on_ranks, this_rank, under_torchrun
 
 
 def parser() -> argparse.ArgumentParser:
@@ -99,7 +100,17 @@ def parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--seed", type=int, default=0)
     run.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto", help="auto: cuda where available")
-    run.add_argument("--world-size", type=int, default=None, help="ranks to spawn (default: GPUs, or 4 on CPU)")
+    run.add_argument(
+        "--world-size", type=int, default=None, help="ranks to spawn (default: GPUs x --ranks-per-gpu, or 4 on CPU)"
+    )
+    run.add_argument(
+        "--ranks-per-gpu",
+        type=int,
+        default=1,
+        help="ranks sharing each GPU (default 1: one NCCL rank per GPU). More runs the ranks on gloo with CUDA "
+        "tensors, staged through host memory: every GPU kernel and layout of that many expert-parallel ranks on "
+        "fewer GPUs, its times not performance figures, no CUDA graph modes (gloo cannot be captured)",
+    )
     run.add_argument("--timeout", type=float, default=300.0, help="seconds a collective may wait (default 300)")
     run.add_argument("--runahead-sleep-ms", type=float, default=300.0, help="GPU sleep of the run-ahead probe")
     out = p.add_argument_group("output")
@@ -124,6 +135,11 @@ def parse(argv=None) -> argparse.Namespace:
     if cuda and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device is visible")
     args.device = "cuda" if cuda else "cpu"
+    if args.ranks_per_gpu < 1:
+        p.error("--ranks-per-gpu must be at least 1")
+    if args.ranks_per_gpu > 1 and not cuda:
+        p.error(f"--ranks-per-gpu {args.ranks_per_gpu}: ranks share GPUs, and no CUDA device is in use (--device)")
+    args.placement = Placement(args.device, args.ranks_per_gpu)
     if args.dtype == "auto":
         args.dtype = "bf16" if cuda else "fp32"
     if args.dtype == "fp16" and not cuda:
@@ -132,9 +148,10 @@ def parse(argv=None) -> argparse.Namespace:
     if torchrun:
         args.world_size = int(os.environ["WORLD_SIZE"])
     elif args.world_size is None:
-        args.world_size = torch.cuda.device_count() if cuda else 4
-    if cuda and not torchrun and args.world_size > torch.cuda.device_count():
-        p.error(f"--world-size {args.world_size}: only {torch.cuda.device_count()} GPU(s) are visible")
+        args.world_size = torch.cuda.device_count() * args.ranks_per_gpu if cuda else 4
+    problem = None if torchrun else args.placement.check(args.world_size, torch.cuda.device_count() if cuda else 0)
+    if problem is not None:
+        p.error(f"--world-size {args.world_size}: {problem}; raise --ranks-per-gpu or lower --world-size")
     for name in ("layers", "tokens", "hidden", "ffn_hidden", "experts", "steps", "check_steps", "world_size", "repeat"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
@@ -192,9 +209,7 @@ def sizes_of(args) -> Sizes:
 
 
 def _machine(args, world_size: int) -> str:
-    if args.device == "cuda":
-        return f"{world_size} NCCL rank(s) on {torch.cuda.get_device_name()}"
-    return f"{world_size} gloo rank(s) on CPU"
+    return args.placement.describe(world_size)
 
 
 def _versions() -> dict:
@@ -305,8 +320,9 @@ def _print_report(args, sizes, world_size, rows, facts, problems) -> None:
         f"steps on the same inputs and weights{rounds}"
     )
     print()
-    if not cuda:
-        print(report.CPU_NOTE)
+    note = report.speed_note(args.placement)
+    if note:
+        print(note)
     print(report.table(rows, cuda, wide=args.wide))
     for line in report.skipped_lines(rows):
         print(line)
@@ -337,6 +353,9 @@ def _print_report(args, sizes, world_size, rows, facts, problems) -> None:
                 machine=_machine(args, world_size),
                 world_size=world_size,
                 device=args.device,
+                ranks_per_gpu=args.ranks_per_gpu,
+                backend=args.placement.backend,
+                speed_figures=not report.speed_note(args.placement),
                 versions=_versions(),
                 sizes=sizes.__dict__,
                 facts=facts,
@@ -347,7 +366,7 @@ def _print_report(args, sizes, world_size, rows, facts, problems) -> None:
         )
         print(f"wrote {args.json}")
     if args.plot:
-        report.write_plot(args.plot, rows, title, note=None if cuda else report.CPU_NOTE)
+        report.write_plot(args.plot, rows, title, note=report.speed_note(args.placement))
         print(f"wrote {args.plot}")
 
 
@@ -357,10 +376,6 @@ def _say(text: str) -> None:
 
 
 # ---------------------------------------------------------------------------------- launching
-
-
-def _backend(args) -> str:
-    return "nccl" if args.device == "cuda" else "gloo"
 
 
 def _rank(rank: int, world_size: int, args, failure_dir: str, status_file: str) -> None:
@@ -388,7 +403,7 @@ def main(argv=None) -> int:
         status = os.path.join(tmp, "status")
         try:
             run_on_ranks(
-                _rank, args.world_size, args, failure_dir, status, backend=_backend(args), timeout_s=args.timeout
+                _rank, args.world_size, args, failure_dir, status, where=args.placement, timeout_s=args.timeout
             )
         except Exception as error:  # a rank failed (spawned: the others were stopped)
             lines = _failure_summary(failure_dir) or [f"FAILED: a rank stopped: {error}"]

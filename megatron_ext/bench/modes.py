@@ -73,6 +73,7 @@ GRAPHED = (
     "capacity+equal+static+te+fp8",
 )
 GRAPH_SKIP_REASON = "CUDA graphs need a GPU"
+GRAPH_GLOO_SKIP_REASON = "a gloo group's collectives (ranks sharing a GPU) cannot be captured in a CUDA graph"
 
 
 def graphed(mode: Mode) -> Mode:

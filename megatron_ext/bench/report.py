@@ -146,6 +146,18 @@ def nothing_compared(rows: list[dict]) -> Optional[str]:
 
 WIDTH = 120  # the default table's widest line: a terminal's width
 CPU_NOTE = "CPU ranks (gloo): times show the code runs, not its speed; measure on GPUs"
+SHARED_GPU_NOTE = (
+    "ranks sharing a GPU (gloo stages CUDA tensors through host memory): times show the code runs, not its speed"
+)
+
+
+def speed_note(placement) -> Optional[str]:
+    """Why this run's times are no speed figures (`megatron_ext.tooling.ranks.Placement`), or None."""
+    if placement.device == "cpu":
+        return CPU_NOTE
+    return SHARED_GPU_NOTE if placement.shares_gpus else None
+
+
 EXPLAIN_HINT = "--explain: what each column means"
 _BOTH, _GPU, _CPU = frozenset({"cpu", "gpu"}), frozenset({"gpu"}), frozenset({"cpu"})
 

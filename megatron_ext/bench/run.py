@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from megatron_ext.bench.counters import DispatchTimer, busy_ms, count_collectives, gpu_operations
 from megatron_ext.bench.graphed import GraphedStep
-from megatron_ext.bench.modes import BLOCKING, GRAPH_SKIP_REASON, REFERENCES, Mode
+from megatron_ext.bench.modes import BLOCKING, GRAPH_GLOO_SKIP_REASON, GRAPH_SKIP_REASON, REFERENCES, Mode
 from megatron_ext.bench.report import worst_by_tensor
 from megatron_ext.bench.sizes import Sizes
 from megatron_ext.bench.stack import (
@@ -539,6 +539,8 @@ def run_modes(
             why = None
             if mode.graph and device.type != "cuda":
                 why = GRAPH_SKIP_REASON
+            elif mode.graph and world_size > 1 and dist.get_backend() != "nccl":
+                why = GRAPH_GLOO_SKIP_REASON
             elif mode.needs_deep_ep and deep_ep_error is not None:
                 why = deep_ep_error
             elif mode.needs_te and te_error is not None:

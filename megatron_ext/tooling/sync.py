@@ -16,6 +16,14 @@ them instead. Both trap three layers, because no single one sees everything:
 * On CUDA, `torch.cuda.set_sync_debug_mode` for synchronising copies inside kernels ("error"
   under `forbid_host_sync()`; under `count_host_syncs()` its warnings are counted).
 
+A collective of a group whose backend stages CUDA tensors through host memory (gloo, as when
+several ranks share one GPU: `megatron_ext.tooling.ranks`) waits for the GPU inside the backend,
+in its own thread. That wait is the backend's, not the code's, and NCCL makes none: such a
+collective runs with the sync-debug layer paused and is counted apart
+(`SyncLog.staged_collectives`), while the Python and dispatcher layers still see everything the
+calling code does around it. Only blocking calls are covered (`async_op=False`, what the dispatch
+path issues).
+
 Where CUDA is in use, Python-method reads of CPU tensors are not counted: they wait for no device
 (split sizes TE's grouped linear rebuilds from a Python list, static expert splits' budgets). The
 device-to-host copy that may have filled one is what waits, and CUDA's sync-debug mode reports it.
@@ -29,6 +37,7 @@ host takes to enqueue a step. A step that never waits returns long before the sl
 from __future__ import annotations
 
 import contextlib
+import inspect
 import threading
 import time
 import warnings
@@ -69,6 +78,9 @@ class SyncLog:
     """What a `count_host_syncs()` block saw."""
 
     events: list[SyncEvent] = field(default_factory=list)
+    # Collectives on CUDA tensors of a group that stages them through host memory (module
+    # docstring): not host reads of the code's, so not in `events`.
+    staged_collectives: int = 0
 
     @property
     def count(self) -> int:
@@ -147,6 +159,57 @@ def _wrap_setitem() -> None:
     torch.Tensor.__setitem__ = __setitem__
 
 
+# The collectives whose CUDA tensors a gloo group stages through host memory.
+_COLLECTIVES = (
+    "all_reduce",
+    "all_gather_into_tensor",
+    "all_to_all_single",
+    "all_gather",
+    "broadcast",
+    "reduce_scatter_tensor",
+)
+
+
+def _stages_through_host(signature: inspect.Signature, args: tuple, kwargs: dict) -> bool:
+    """A blocking collective, on CUDA tensors, of a group whose backend is not NCCL."""
+    import torch.distributed as dist
+
+    try:
+        bound = signature.bind(*args, **kwargs)
+    except TypeError:
+        return False  # the original call raises its own error
+    if bound.arguments.get("async_op", False):
+        return False
+    values = list(bound.arguments.values())
+    values += [item for v in values if isinstance(v, (list, tuple)) for item in v]
+    if not any(isinstance(v, torch.Tensor) and v.is_cuda for v in values):
+        return False
+    return dist.get_backend(bound.arguments.get("group")) != "nccl"
+
+
+def _wrap_collective(name: str) -> None:
+    import torch.distributed as dist
+
+    original = getattr(dist, name)
+    _originals[(dist, name)] = original
+    signature = inspect.signature(original)
+
+    def collective(*args, **kwargs):
+        if not (_active and _stages_through_host(signature, args, kwargs)):
+            return original(*args, **kwargs)
+        _active[-1].log.staged_collectives += 1
+        mode = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode(0)  # the backend's own wait, in its own thread
+        try:
+            return original(*args, **kwargs)
+        finally:
+            torch.cuda.set_sync_debug_mode(mode)
+
+    collective.__name__ = name
+    collective.__wrapped__ = original
+    setattr(dist, name, collective)
+
+
 def _install() -> None:
     for name in _TENSOR_METHODS:
         _wrap(torch.Tensor, name, f"Tensor.{name}()")
@@ -155,6 +218,11 @@ def _install() -> None:
         _wrap(torch.cuda.Event, "synchronize", "torch.cuda.Event.synchronize()")
         _wrap(torch.cuda.Stream, "synchronize", "torch.cuda.Stream.synchronize()")
         _wrap(torch.cuda, "synchronize", "torch.cuda.synchronize()")
+        import torch.distributed as dist
+
+        if dist.is_available():
+            for name in _COLLECTIVES:
+                _wrap_collective(name)
 
 
 def _uninstall() -> None:

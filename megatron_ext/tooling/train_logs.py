@@ -5,7 +5,8 @@
 Prints a markdown table: per log, the iterations logged, whether the lm loss, load-balancing loss
 and grad norm equal the first log's at every iteration (as printed), else the first difference,
 the median time per iteration after the first 10, tokens/s/GPU from Megatron's argument listing,
-and the mean of megatron-ext's capacity-use metric. `examples/compare_modes.py` (blocking against
+the mean of megatron-ext's capacity-use metric, and the steps re-run after an overflow and the
+capacity growths megatron-ext logged. `examples/compare_modes.py` (blocking against
 capacity mode) reads its logs with the same functions.
 """
 
@@ -22,6 +23,8 @@ CAPACITY_USE = "hybridep_capacity_use"
 SKIP_ITERS = 10
 ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|")
 FIELD = re.compile(r"\|\s*([^|:]+?):\s*([^|]+?)\s*(?=\|)")
+RERUN = re.compile(r"run again with blocking dispatches \(re-run (\d+)\)")
+GROWTH = re.compile(r"megatron-ext: (MoE layer \d+): capacity (\d+) -> (\d+) \(")
 ARGUMENT = re.compile(r"^\s+(seq_length|global_batch_size|world_size) \.+ (\d+)\s*$", re.MULTILINE)
 
 
@@ -50,6 +53,12 @@ def step_ms(iterations: dict[int, dict[str, str]], skip: int) -> list[float]:
     return [float(f[key]) for i, f in sorted(iterations.items()) if i > skip and key in f]
 
 
+def reruns_and_growths(text: str) -> tuple[int, int]:
+    """(steps re-run after an overflow, capacity growths) that megatron-ext logged (first rank's
+    lines; a growth logged once per EP group)."""
+    return len(set(RERUN.findall(text))), len(set(GROWTH.findall(text)))
+
+
 def first_difference(reference: dict, other: dict) -> str | None:
     """The first logged iteration and value (of `COMPARED`) where `other` differs; None if none.
     Two runs that logged nothing are not called identical."""
@@ -73,8 +82,8 @@ def table(logs: dict[str, str]) -> str:
     reference_name, reference = next(iter(parsed.items()))
     lines = [
         f"| run | iterations | {', '.join(COMPARED)} against {reference_name} | ms/iteration (median after "
-        f"{SKIP_ITERS}) | tokens/s/GPU | {CAPACITY_USE} (mean) |",
-        "| --- | --- | --- | --- | --- | --- |",
+        f"{SKIP_ITERS}) | tokens/s/GPU | {CAPACITY_USE} (mean) | re-runs | capacity growths |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for name, iterations in parsed.items():
         times = step_ms(iterations, SKIP_ITERS)
@@ -84,9 +93,10 @@ def table(logs: dict[str, str]) -> str:
         use = [float(v[CAPACITY_USE]) for v in iterations.values() if CAPACITY_USE in v]
         diff = first_difference(reference, iterations)
         same = "reference" if name == reference_name else ("identical" if diff is None else f"differs: {diff}")
+        reruns, growths = reruns_and_growths(logs[name])
         lines.append(
             f"| {name} | {len(iterations)} | {same} | {'-' if ms is None else f'{ms:.1f}'} | {rate} "
-            f"| {'-' if not use else f'{statistics.mean(use):.3f}'} |"
+            f"| {'-' if not use else f'{statistics.mean(use):.3f}'} | {reruns} | {growths} |"
         )
     return "\n".join(lines)
 
