@@ -295,7 +295,10 @@ class OverflowRerun:
         """(any rank's layer overflowed since `overflows_before` (copies of the counts, None for a
         layer not yet calibrated), any rank's layer used more than half its headroom): one
         all-reduce over every rank and the step's one host read."""
-        flags = torch.zeros(2, dtype=torch.int32, device=group_device())
+        # Where the counters are (a group's backend may take them there, as NCCL and gloo take CUDA
+        # tensors): copying each to another device first would read the GPU once per layer.
+        device = next((m.overflows.device for m in managers if m.overflows is not None), None)
+        flags = torch.zeros(2, dtype=torch.int32, device=device or group_device())
         for manager, before in zip(managers, overflows_before, strict=True):
             if manager.overflows is not None:
                 new = manager.overflows if before is None else manager.overflows - before

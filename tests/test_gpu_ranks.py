@@ -271,8 +271,9 @@ def _eager_equals_blocking(rank, world, overrides, hidden):
     reference, layer = _layer_pair(world, overrides, hidden)
     inputs = step_inputs(rank, 4, 64, hidden, seed=31)
     moe._assert_same(run_steps(reference, inputs), run_steps(layer, inputs))
-    manager = layer.token_dispatcher.capacity_manager
-    assert manager.stats.non_blocking_dispatches == (len(inputs) - 1 if manager.capacity else 0), manager.stats
+    if "moe_hybridep_capacity_factor" in overrides:  # else Megatron's own manager dispatches
+        stats = layer.token_dispatcher.capacity_manager.stats
+        assert stats.non_blocking_dispatches == len(inputs) - 1, stats
 
 
 def _replays_equal_blocking(rank, world, overrides, hidden):
@@ -339,8 +340,9 @@ def test_ranks_whose_kernels_wait_for_each_other_share_a_gpu_under_mps(which, tm
         child = _run_child(["waiting", "shared", str(world), str(tmp_path), which], f"{which} on {world} ranks")
     assert child.returncode == 0, child.stdout[-3000:] + child.stderr[-6000:]
     outcomes = merged_results(tmp_path, world)
-    for name in (n for n in WAITING_CHECKS if n.startswith(which)):
-        assert_ok(outcomes, name)
+    failed = {n: outcomes.get(n, "never ran") for n in WAITING_CHECKS if n.startswith(which)}
+    failed = {n: outcome for n, outcome in failed.items() if outcome != "ok"}
+    assert not failed, "\n".join(f"{n}: {outcome}" for n, outcome in failed.items())
 
 
 # --------------------------------------------------------------------------- the child process

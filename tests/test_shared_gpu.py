@@ -74,7 +74,8 @@ def _launch(tmp_path, *argv, local_rank="3"):
             import torch.distributed as dist
             import torch.distributed.distributed_c10d as c10d
             print("LOCAL_RANK", os.environ["LOCAL_RANK"], "argv", sys.argv[1:])
-            print("staged", dist.isend.__name__, c10d.irecv.__name__, dist.all_reduce.__name__)
+            print("staged", dist.isend.__name__, c10d.irecv.__name__, dist.all_reduce.__name__,
+                  dist._coalescing_manager.__name__)
             """
         )
     )
@@ -117,7 +118,7 @@ def test_the_launcher_runs_the_script_with_its_gpu_and_stand_ins(tmp_path):
     assert run.returncode == 0, run.stderr
     lines = run.stdout.splitlines()
     assert lines[0] == "LOCAL_RANK 1 argv ['--distributed-backend', 'gloo', '--lr', '1e-4']"
-    assert lines[1] == "staged staged_isend staged_irecv all_reduce_with_avg"
+    assert lines[1] == "staged staged_isend staged_irecv all_reduce_with_avg coalescing_manager"
 
 
 def test_the_launcher_refuses_nccl_with_shared_gpus_in_one_line(tmp_path):
@@ -167,9 +168,18 @@ def _p2p_on_ranks(rank, world):
         mean = torch.tensor([float(rank), 10.0])
         dist.all_reduce(mean, op=dist.ReduceOp.AVG)
         assert torch.equal(mean, torch.tensor([0.5, 10.0])), mean
+        # Megatron's gradient reduction: async all-reduces in a coalescing block, then cm.wait()
+        buckets = [torch.full((5,), float(rank + 1)), torch.full((3,), 2.0 * (rank + 1))]
+        with dist._coalescing_manager(async_ops=True) as cm:
+            for bucket in buckets:
+                dist.all_reduce(bucket, async_op=True)
+            assert torch.equal(buckets[0], torch.full((5,), 3.0))  # each ran at once, to its end
+        cm.wait()
+        assert torch.equal(buckets[1], torch.full((3,), 6.0)), buckets
     finally:
         shared_gpu.uninstall()
     assert dist.isend is shared_gpu.c10d.isend and dist.isend.__name__ == "isend"
+    assert dist._coalescing_manager.__name__ == "_coalescing_manager"
 
 
 def test_point_to_point_and_avg_go_through_the_stand_ins():

@@ -13,7 +13,10 @@ measuring. Before the script runs, this module changes this process alone, in th
   what pipeline schedules use) on CUDA tensors of a gloo group go through host copies, which
   gloo takes (it refuses CUDA tensors there: "writev ... Bad address");
 - `all_reduce` with `ReduceOp.AVG` on a gloo group (which has no AVG) sums, then divides by the
-  group's size.
+  group's size;
+- `torch.distributed._coalescing_manager` (Megatron's data-parallel gradient reduction) on a gloo
+  group runs each collective in it at once, and to its end: gloo has no coalesced all-reduce of
+  CUDA tensors. Installed before the script imports Megatron, which takes that name at import.
 
 The product is unchanged: megatron-ext's dispatcher takes its device from its tensors and runs
 on any process group.
@@ -22,9 +25,11 @@ on any process group.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import runpy
 import sys
+import threading
 from collections.abc import Callable
 from typing import Any, NoReturn, Optional
 
@@ -115,8 +120,32 @@ def _group_arg(args: tuple, kwargs: dict, position: int) -> Any:
     return args[position] if len(args) > position else None
 
 
+_block = threading.local()  # .immediate: inside a gloo group's stand-in coalescing block
+
+
+def _immediate_coalescing(original: Callable) -> Callable:
+    """`_coalescing_manager` for non-NCCL groups: a block whose collectives each run at once and to
+    their end (`_averaging_all_reduce` reads the flag), so its manager has nothing left to wait for."""
+
+    @contextlib.contextmanager
+    def coalescing_manager(group=None, device=None, async_ops=False):
+        if dist.get_backend(group) == "nccl":
+            with original(group, device, async_ops) as cm:
+                yield cm
+            return
+        previous, _block.immediate = getattr(_block, "immediate", False), True
+        try:
+            yield c10d._CoalescingManager()
+        finally:
+            _block.immediate = previous
+
+    return coalescing_manager
+
+
 def _averaging_all_reduce(all_reduce: Callable) -> Callable:
     def all_reduce_with_avg(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        if getattr(_block, "immediate", False):
+            async_op = False  # a stand-in coalescing block: done before the block ends
         if op != dist.ReduceOp.AVG or dist.get_backend(group) == "nccl":
             return all_reduce(tensor, op=op, group=group, async_op=async_op)
         work = all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
@@ -137,9 +166,11 @@ def install(stages=_stages) -> None:
     its op against). Idempotent; `uninstall()` undoes it."""
     if _saved:
         return
-    originals = {name: getattr(c10d, name) for name in ("isend", "irecv", "send", "recv", "all_reduce")}
+    names = ("isend", "irecv", "send", "recv", "all_reduce", "_coalescing_manager")
+    originals = {name: getattr(c10d, name) for name in names}
     replacements = _staged_p2p(originals["isend"], originals["irecv"], originals["send"], originals["recv"], stages)
     replacements["all_reduce"] = _averaging_all_reduce(originals["all_reduce"])
+    replacements["_coalescing_manager"] = _immediate_coalescing(originals["_coalescing_manager"])
     for module in (c10d, dist):
         for name, replacement in replacements.items():
             _saved[(module, name)] = getattr(module, name)
