@@ -1,7 +1,8 @@
 # Sourced by the example launch scripts (smoke_1gpu.sh, ep8_single_node.sh, slurm_multinode.sbatch):
-# reads MODE and PRECISION, refuses other values (exit 2), and sets
+# reads MODE, PRECISION and CAPACITY_FACTOR, refuses other values (exit 2), and sets
 #   mode_flags: what MODE adds to Megatron's flags
-#     capacity (default): --moe-hybridep-capacity-factor 1.5 --moe-hybridep-equal-token-counts
+#     capacity (default): --moe-hybridep-capacity-factor $CAPACITY_FACTOR (default 1.5)
+#                         --moe-hybridep-equal-token-counts
 #     blocking: nothing (Megatron's blocking dispatch, the same run otherwise)
 #   PRECISION: bf16 (default) or fp16; a script passes --$PRECISION. fp16 with MODE=capacity needs
 #     TE's op-fuser experts (megatron-ext's own compute in bf16 on a GPU; the parse says so).
@@ -9,8 +10,9 @@
 #     model's sizes and experts, its parallelism, batch, precision, schedule and iterations.
 MODE=${MODE:-capacity}
 PRECISION=${PRECISION:-bf16}
+CAPACITY_FACTOR=${CAPACITY_FACTOR:-1.5}
 case $MODE in
-  capacity) mode_flags=(--moe-hybridep-capacity-factor 1.5 --moe-hybridep-equal-token-counts) ;;
+  capacity) mode_flags=(--moe-hybridep-capacity-factor "$CAPACITY_FACTOR" --moe-hybridep-equal-token-counts) ;;
   blocking) mode_flags=() ;;
   *) echo "MODE must be capacity or blocking, not '$MODE'" >&2; exit 2 ;;
 esac
