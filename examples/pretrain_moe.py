@@ -42,6 +42,7 @@ import dataclasses
 import functools
 import io
 import logging
+import math
 import os
 import re
 import sys
@@ -99,16 +100,16 @@ with quiet_imports_in_a_dry_run():
     import megatron_ext.arguments
     import megatron_ext.patches
     from megatron_ext.experts import GroupedMLP
+    from megatron_ext.logs import first_rank
     from megatron_ext.options import (
         CONFIG_PREFIX,
         OPTION_NAMES,
-        HybridEPConfigError,
         HybridEPOptions,
         deep_ep_import_error,
         flag,
         resolve_implementation,
     )
-    from megatron_ext.patches._moe_layer import select_experts
+    from megatron_ext.patches._moe_layer import check_experts, select_experts
 
 SHIFT_AT, SHIFT_BIAS = "--example-shift-routing-at", "--example-shift-routing-bias"
 # What the dry run tells validate_args when it asks the GPU (it never asks the real one).
@@ -193,14 +194,33 @@ REQUIRED = {
 
 
 def check_supported(args) -> None:
-    """Exit with a message for what this example does not do, or a flag it needs and lacks."""
+    """Refuse (one line, exit status 2) what this example does not do, a flag it needs and lacks, or
+    parallel sizes the ranks cannot be laid out in: in the dry run and before a run starts alike."""
     missing = [text for name, text in REQUIRED.items() if getattr(args, name, None) is None]
     if missing:
-        sys.exit(f"{sys.argv[0]}: set {'; '.join(missing)}.")
+        refuse(f"set {'; '.join(missing)}.")
     if not args.mock_data:
-        sys.exit(f"{sys.argv[0]}: this example trains on mock data only; pass --mock-data.")
+        refuse("this example trains on mock data only; pass --mock-data.")
     if args.context_parallel_size != 1:
-        sys.exit(f"{sys.argv[0]}: this example does not split sequences for context parallelism.")
+        refuse(
+            f"--context-parallel-size {args.context_parallel_size}: this example does not split sequences for "
+            "context parallelism; use --context-parallel-size 1."
+        )
+    check_expert_grid(args)
+
+
+def check_expert_grid(args) -> None:
+    """Megatron lays the experts of each pipeline stage over expert-parallel x expert-tensor-parallel
+    ranks: the world size must be a multiple of the three (its process-group setup fails otherwise,
+    after the launch; validate_args does not check it)."""
+    sizes = expert_grid_sizes(args)
+    grid = expert_grid(args)
+    if args.world_size % grid:
+        product = " x ".join(f"{flag} {size}" for flag, size in sizes.items())
+        refuse(
+            f"{product} = {grid} ranks for each pipeline stage's experts, but the world size is {args.world_size} "
+            f"(not a multiple of {grid}). Lower one of these sizes, or run on a multiple of {grid} ranks."
+        )
 
 
 def use_local_spec(args) -> bool:
@@ -332,9 +352,19 @@ def use_prebuilt_dataset_helpers() -> None:
     dataset_utils.compile_helpers = lambda: None
 
 
+def expert_grid_sizes(args) -> dict[str, int]:
+    """The sizes that lay out each expert-data-parallel replica, by flag."""
+    return {
+        "--pipeline-model-parallel-size": args.pipeline_model_parallel_size,
+        "--expert-model-parallel-size": args.expert_model_parallel_size,
+        # None until validate_args sets it to the tensor-parallel size
+        "--expert-tensor-parallel-size": args.expert_tensor_parallel_size or args.tensor_model_parallel_size,
+    }
+
+
 def expert_grid(args) -> int:
     """Ranks per expert-data-parallel replica: PP x EP x expert TP."""
-    return args.pipeline_model_parallel_size * args.expert_model_parallel_size * args.expert_tensor_parallel_size
+    return math.prod(expert_grid_sizes(args).values())
 
 
 def _qualname(builder) -> str:
@@ -343,10 +373,14 @@ def _qualname(builder) -> str:
     return f"{builder.__module__}.{builder.__qualname__}"
 
 
-def describe(args, config) -> list[tuple[str, object]]:
+def moe_submodules(args, config):
+    """The MoE layer's submodules in this example's layer spec (the experts it names among them)."""
+    return layer_spec(args, config).submodules.mlp.keywords["submodules"]
+
+
+def describe(args, config, spec_experts, built_experts) -> list[tuple[str, object]]:
     """What a run with these arguments would build, as (name, value) pairs."""
     options = HybridEPOptions.from_config(config)
-    moe_submodules = layer_spec(args, config).submodules.mlp.keywords["submodules"]
     implementation = resolve_implementation(options.implementation, config.hidden_size)
     deep_ep_missing = deep_ep_import_error()
     rows = [
@@ -377,8 +411,8 @@ def describe(args, config) -> list[tuple[str, object]]:
     rows += [
         ("capacity mode", "on" if options.capacity_factor is not None else "off"),
         ("hybridep implementation", implementation + (f" (deep_ep: {deep_ep_missing})" if deep_ep_missing else "")),
-        ("experts in the spec", _qualname(moe_submodules.experts)),
-        ("experts built", _qualname(select_experts(config, moe_submodules).experts)),
+        ("experts in the spec", _qualname(spec_experts)),
+        ("experts built", _qualname(built_experts)),
         ("train iterations", args.train_iters),
         ("samples (train, valid, test)", get_train_valid_test_num_samples()),
         ("gpu checks", "skipped: validation assumed compute capability {}.{}".format(*ASSUMED_COMPUTE_CAPABILITY)),
@@ -433,32 +467,31 @@ def _dry_run() -> None:
         with no_gpu_queries(), contextlib.redirect_stdout(arguments):
             validate_args(args)
     except AssertionError as exc:  # Megatron's checks of the flags, often a bare assert
-        refuse_in_dry_run(f"Megatron's validate_args refuses these flags: {_assertion(exc)}")
+        refuse(f"Megatron's validate_args refuses these flags: {_assertion(exc)}")
     if os.environ.get("MEGATRON_EXT_DRY_RUN_ARGS") == "1":
         print(arguments.getvalue(), end="")
-    if args.world_size % expert_grid(args):
-        # validate_args leaves this to the process-group setup, which a dry run never reaches.
-        sys.exit(
-            f"{sys.argv[0]}: world size {args.world_size} is not a multiple of pipeline x expert x expert-tensor "
-            f"parallel = {expert_grid(args)}; change --expert-model-parallel-size or the number of GPUs."
-        )
     try:
         config = core_transformer_config_from_args(args)
     except (ValueError, AssertionError) as exc:  # Megatron's own checks of the config, on this machine
-        refuse_in_dry_run(f"Megatron's TransformerConfig refuses these flags here: {_assertion(exc)}")
+        refuse(f"Megatron's TransformerConfig refuses these flags here: {_assertion(exc)}")
     set_args(args)  # what get_train_valid_test_num_samples reads
-    try:
-        rows = describe(args, config)
-    except HybridEPConfigError as exc:  # what the layer build would refuse (the experts the spec gives)
-        refuse_in_dry_run(str(exc))
+    spec = moe_submodules(args, config)
+    try:  # what the layer build would refuse, by the checks it runs: the experts it selects, then theirs
+        built = select_experts(config, spec)
+        check_experts(config, built)
+    except ValueError as exc:  # HybridEPConfigError, or the experts' own refusal
+        refuse(str(exc))
+    rows = describe(args, config, spec.experts, built.experts)
     print("megatron-ext dry run: nothing built, no GPU or process group used")
     for name, value in rows:
         print(f"{name}: {value}")
 
 
-def refuse_in_dry_run(message: str) -> NoReturn:
-    """One line, `<prog>: error: <message>`, exit status 2: as a refused flag at parse time."""
-    print(f"{os.path.basename(sys.argv[0])}: error: {message}", file=sys.stderr)
+def refuse(message: str) -> NoReturn:
+    """One line, `<prog>: error: <message>`, exit status 2: as a refused flag at parse time (said
+    by the job's first rank only, as megatron-ext's parse-time refusals are)."""
+    if first_rank():
+        print(f"{os.path.basename(sys.argv[0])}: error: {message}", file=sys.stderr)
     sys.exit(2)
 
 

@@ -29,6 +29,7 @@ per-step copy; their checkpoints read like `TEGroupedMLP`'s and `SequentialMLP`'
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -43,19 +44,25 @@ from megatron_ext.activation_recompute import ActivationRecompute
 from megatron_ext.options import CAPACITY_FACTOR_FLAG, GROUPED_MLP_WAYS_AROUND
 
 
-def _refuse(flag: str, problem: str, fix: str) -> ValueError:
+def _refusal(flag: str, problem: str, fix: str, *, capacity_mode: bool = True) -> ValueError:
     # Capacity mode puts these experts in the layer in place of the ones the spec named (logged at
-    # INFO only), so the message says so and names the ways around them too.
+    # INFO only), so the message says so and names the ways around them too; without it, a layer
+    # spec named them (as the example's local spec does for --moe-grouped-gemm).
+    if capacity_mode:
+        return ValueError(
+            f"megatron_ext GroupedMLP, the experts {CAPACITY_FACTOR_FLAG} builds here, does not support "
+            f"{problem} (`{flag}`); {fix}. Or {GROUPED_MLP_WAYS_AROUND}."
+        )
     return ValueError(
-        f"megatron_ext GroupedMLP, the experts {CAPACITY_FACTOR_FLAG} builds here, does not support "
-        f"{problem} (`{flag}`); {fix}. Or {GROUPED_MLP_WAYS_AROUND}."
+        f"megatron_ext GroupedMLP, the experts this layer spec names, does not support {problem} (`{flag}`); "
+        f"{fix}. Or build other experts (Megatron's SequentialMLP or TEGroupedMLP)."
     )
 
 
 def _sync_refusal(dtype: torch.dtype) -> ValueError:
     # torch's grouped GEMM has a CUDA kernel for bfloat16 alone; for other dtypes it loops over the
     # experts with the offsets copied to the host, a synchronisation in every expert call.
-    return _refuse(
+    return _refusal(
         CAPACITY_FACTOR_FLAG,
         f"{dtype} experts on a GPU in capacity mode: torch's grouped GEMM reads the expert counts on the "
         "host for any dtype but bfloat16, which would stall every step",
@@ -207,31 +214,39 @@ class GroupedMLP(MegatronModule):
 
     @staticmethod
     def _check_config(config: TransformerConfig, expt_tp_size: int) -> None:
+        """Refuse what these experts cannot compute, naming the flag: called when they are built, with
+        the expert tensor-parallel group's size, and by a dry run of the flags before anything is."""
         on_gpu = not config.use_cpu_initialization
-        if getattr(config, "moe_hybridep_capacity_factor", None) is not None and on_gpu:
+        capacity_mode = getattr(config, "moe_hybridep_capacity_factor", None) is not None
+        if capacity_mode and on_gpu:
             if config.params_dtype != torch.bfloat16:
                 raise _sync_refusal(config.params_dtype)
+        refuse = functools.partial(_refusal, capacity_mode=capacity_mode)
         if config.expert_tensor_parallel_size != 1 or expt_tp_size != 1:
-            raise _refuse("--expert-tensor-parallel-size", "expert tensor parallelism", "set it to 1")
+            raise refuse(
+                "--expert-tensor-parallel-size",
+                "expert tensor parallelism",
+                "set it to 1 (Megatron sets it to --tensor-model-parallel-size when it is not given)",
+            )
         if getattr(config, "expert_gtp_weight_remat_size", 1) != 1:
-            raise _refuse("--expert-tensor-parallel-num-weight-shards", "sharded expert weights", "leave it unset")
+            raise refuse("--expert-tensor-parallel-num-weight-shards", "sharded expert weights", "leave it unset")
         if config.moe_mlp_glu_interleave_size is not None:
-            raise _refuse("--moe-mlp-glu-interleave-size", "interleaved GLU weights", "leave it unset")
+            raise refuse("--moe-mlp-glu-interleave-size", "interleaved GLU weights", "leave it unset")
         if config.moe_latent_size is not None:
-            raise _refuse("--moe-latent-size", "latent expert projections", "leave it unset")
+            raise refuse("--moe-latent-size", "latent expert projections", "leave it unset")
         if config.fp8 or config.fp4:
-            raise _refuse("--fp8-format / --fp4-format", "fp8/fp4 experts", "train the experts in bf16")
+            raise refuse("--fp8-format / --fp4-format", "fp8/fp4 experts", "train the experts in bf16")
         if config.moe_apply_probs_on_input:
-            raise _refuse("--moe-apply-probs-on-input", "probs applied on the input", "leave it off")
+            raise refuse("--moe-apply-probs-on-input", "probs applied on the input", "leave it off")
         offloaded = sorted({"expert_fc1", "moe_act", "fused_group_mlp"} & set(config.offload_modules or []))
         if config.fine_grained_activation_offloading and offloaded:
-            raise _refuse(
+            raise refuse(
                 "--offload-modules",
                 f"offloading the experts' activations ({', '.join(offloaded)})",
                 "drop them from --offload-modules (--recompute-modules moe_act saves the activation's memory)",
             )
         if config.delay_wgrad_compute or config.overlap_dispatch_backward_with_experts_wgrad:
-            raise _refuse(
+            raise refuse(
                 "--delay-wgrad-compute / --overlap-dispatch-backward-with-experts-wgrad",
                 "deferred weight gradients (they are computed in the ordinary backward)",
                 "leave both off",
@@ -244,7 +259,7 @@ class GroupedMLP(MegatronModule):
             ("--moe-ffn-hidden-size", config.moe_ffn_hidden_size),
         ):
             if size % per_16_bytes:
-                raise _refuse(
+                raise refuse(
                     flag,
                     f"a size of {size}: grouped_mm needs rows of a multiple of 16 bytes",
                     f"use a multiple of {per_16_bytes} for {config.params_dtype}",

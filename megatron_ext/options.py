@@ -456,6 +456,47 @@ def _check_quantized_experts(config: Any, options: HybridEPOptions) -> None:
         )
 
 
+def _check_router_topk(config: Any) -> None:
+    """Megatron's --moe-router-topk, which it takes as any integer: a token goes to 1 to E experts."""
+    # The expert count: `num_experts` on a parsed namespace, `num_moe_experts` on a config.
+    experts = getattr(config, "num_moe_experts", None) or getattr(config, "num_experts", None)
+    topk = getattr(config, "moe_router_topk", None)
+    if not experts or not isinstance(topk, int) or 1 <= topk <= experts:
+        return
+    raise HybridEPConfigError(
+        f"--moe-router-topk {topk}: each token goes to between 1 and --num-experts ({experts}) experts; "
+        f"use a top-k in that range (2 or 8 are common)."
+    )
+
+
+def expert_tensor_parallel_size(config: Any) -> int:
+    """--expert-tensor-parallel-size, which Megatron sets to --tensor-model-parallel-size when it is
+    not given (a parsed namespace still holds None; a config has it filled in)."""
+    size = getattr(config, "expert_tensor_parallel_size", None)
+    return size if size is not None else getattr(config, "tensor_model_parallel_size", 1) or 1
+
+
+def _check_parallelism(config: Any) -> None:
+    """Capacity mode with the parallelisms megatron-ext has not run it with (docs/support.md)."""
+    etp = expert_tensor_parallel_size(config)
+    if etp != 1:
+        given = getattr(config, "expert_tensor_parallel_size", None) is not None
+        source = "" if given else f" (Megatron's default: --tensor-model-parallel-size {etp})"
+        raise HybridEPConfigError(
+            f"{CAPACITY_FACTOR_FLAG} with --expert-tensor-parallel-size {etp}{source}: capacity mode's experts are "
+            "not split by tensor parallelism (megatron-ext's GroupedMLP keeps each expert whole; Transformer "
+            "Engine's experts have not been run that way in capacity mode). Pass --expert-tensor-parallel-size 1 "
+            f"(attention keeps its tensor parallelism), or drop {CAPACITY_FACTOR_FLAG}."
+        )
+    cp = getattr(config, "context_parallel_size", 1) or 1
+    if cp != 1:
+        raise HybridEPConfigError(
+            f"{CAPACITY_FACTOR_FLAG} with --context-parallel-size {cp}: megatron-ext has not run or tested capacity "
+            "mode with context parallelism, and refuses it rather than train on an unchecked path. Use "
+            f"--context-parallel-size 1, or drop {CAPACITY_FACTOR_FLAG} for the blocking dispatch."
+        )
+
+
 # What a user can do instead of megatron-ext's GroupedMLP, which capacity mode builds for most experts.
 GROUPED_MLP_WAYS_AROUND = (
     "use Transformer Engine's op-fuser experts (--transformer-impl transformer_engine "
@@ -522,6 +563,7 @@ def validate(config: Any) -> HybridEPOptions:
             f"overflow does; set {CAPACITY_FACTOR_FLAG} too, or drop it."
         )
     _check_graphs(config, options)
+    _check_router_topk(config)
     set_flags = options.set_flags()
     if not set_flags:
         return options
@@ -567,6 +609,7 @@ def validate(config: Any) -> HybridEPOptions:
                 f"itself and drops nothing; {'; '.join(dropping.values())}. (Or drop {capacity} to train with "
                 "Megatron's token-dropping MoE.)"
             )
+        _check_parallelism(config)
         _check_quantized_experts(config, options)
         _check_op_fuser_activation(config)
     _check_static_expert_splits(config, options)

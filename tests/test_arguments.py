@@ -363,6 +363,69 @@ def test_patched_parse_args_refuses_invalid_combinations(patched, monkeypatch, c
         assert text in err, f"{text!r} not in {err[-600:]!r}"
 
 
+CAPACITY = ["--moe-hybridep-capacity-factor", "1.5"]
+
+
+@pytest.mark.parametrize(
+    "extra, expected",
+    [
+        (
+            ["--moe-router-topk", "0"],
+            ["--moe-router-topk 0: each token goes to between 1 and --num-experts (8) experts", "use a top-k"],
+        ),
+        (
+            ["--moe-router-topk", "9"],
+            ["--moe-router-topk 9: each token goes to between 1 and --num-experts (8) experts", "use a top-k"],
+        ),
+        (
+            [*CAPACITY, "--expert-tensor-parallel-size", "2"],
+            [
+                "--moe-hybridep-capacity-factor with --expert-tensor-parallel-size 2: capacity mode's experts are not "
+                "split by tensor parallelism",
+                "Pass --expert-tensor-parallel-size 1",
+            ],
+        ),
+        (
+            # Megatron gives the experts the tensor-parallel size unless told otherwise: the message says so.
+            [*CAPACITY, "--tensor-model-parallel-size", "2", "--sequence-parallel"],
+            [
+                "--expert-tensor-parallel-size 2 (Megatron's default: --tensor-model-parallel-size 2)",
+                "Pass --expert-tensor-parallel-size 1",
+            ],
+        ),
+        (
+            [*CAPACITY, "--context-parallel-size", "2"],
+            [
+                "--moe-hybridep-capacity-factor with --context-parallel-size 2: megatron-ext has not run or tested",
+                "Use --context-parallel-size 1, or drop --moe-hybridep-capacity-factor",
+            ],
+        ),
+    ],
+    ids=["topk-0", "topk-above-experts", "etp-2", "tp-2-default-etp", "cp-2"],
+)
+def test_patched_parse_args_refuses_parallelism_and_routing_a_run_cannot_take(
+    patched, monkeypatch, capsys, extra, expected
+):
+    err = parse_error(patched, monkeypatch, capsys, *extra)  # exit status 2, one line
+    for text in expected:
+        assert text in err, f"{text!r} not in {err!r}"
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-tensor-parallel-size", "1", *CAPACITY],
+        ["--context-parallel-size", "2"],  # the blocking dispatch, as stock Megatron
+        ["--expert-tensor-parallel-size", "2"],
+        ["--pipeline-model-parallel-size", "2", *CAPACITY],  # not refused: see docs/support.md
+        ["--moe-router-topk", "8"],
+    ],
+    ids=["tp-2-etp-1-capacity", "cp-2-blocking", "etp-2-blocking", "pp-2-capacity", "topk-all-experts"],
+)
+def test_patched_parse_args_accepts_the_parallelism_it_supports(patched, monkeypatch, extra):
+    parse(patched, monkeypatch, *extra)
+
+
 def test_patched_parse_args_refuses_deep_ep_when_it_does_not_import(patched, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "deep_ep", None)  # `import deep_ep` now raises ImportError
 
@@ -604,6 +667,15 @@ def test_install_validation_is_idempotent():
             ),
             "cannot be combined with --moe-expert-capacity-factor and --moe-pad-expert-input-to-capacity",
         ),
+        (dict(moe_router_topk=0), "--moe-router-topk 0: each token goes to between 1 and --num-experts (4)"),
+        (
+            dict(HYBRIDEP, moe_hybridep_capacity_factor=1.5, context_parallel_size=2),
+            "--moe-hybridep-capacity-factor with --context-parallel-size 2: megatron-ext has not run or tested",
+        ),
+        (
+            dict(HYBRIDEP, moe_hybridep_capacity_factor=1.5, expert_tensor_parallel_size=2, add_bias_linear=False),
+            "--moe-hybridep-capacity-factor with --expert-tensor-parallel-size 2: capacity mode's experts are not",
+        ),
     ],
     ids=[
         "factor-below-1",
@@ -615,6 +687,9 @@ def test_install_validation_is_idempotent():
         "unknown-policy",
         "factor-and-expert-capacity-factor",
         "factor-and-drop-and-pad",
+        "topk-0",
+        "factor-and-cp-2",
+        "factor-and-etp-2",
     ],
 )
 def test_config_refuses_invalid_combinations(bad, message):

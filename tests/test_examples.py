@@ -47,6 +47,16 @@ DRY_RUNS = {
     "slurm": ("slurm_multinode.sbatch", {**SLURM, "SLURM_SUBMIT_DIR": str(REPO)}, []),
     "roundtrip": ("roundtrip_torchrun.sh", {}, []),
     "smoke-fp16-appended": ("smoke_1gpu.sh", {}, ["--fp16"]),
+    # What a run would refuse (the experts' build, Megatron's process groups, megatron-ext's parse).
+    "ep8-etp-blocking": (
+        "ep8_single_node.sh",
+        {"MODE": "blocking"},
+        ["--expert-tensor-parallel-size", "2", "--expert-model-parallel-size", "4"],
+    ),
+    "ep8-etp": ("ep8_single_node.sh", {}, ["--expert-tensor-parallel-size", "2", "--expert-model-parallel-size", "4"]),
+    "ep8-pp2": ("ep8_single_node.sh", {}, ["--pipeline-model-parallel-size", "2"]),
+    "ep8-cp2": ("ep8_single_node.sh", {}, ["--context-parallel-size", "2"]),
+    "smoke-topk0": ("smoke_1gpu.sh", {}, ["--moe-router-topk", "0"]),
     # docs/examples.md's fp8 line: TE's layers and op-fuser experts, tensorwise.
     "smoke-fp8": (
         "smoke_1gpu.sh",
@@ -60,7 +70,10 @@ DRY_RUNS = {
 SCRIPTS = sorted(
     p.name for p in EXAMPLES.iterdir() if p.suffix in (".sh", ".sbatch") and p.read_text().startswith("#!")
 )
-REFUSED_DRY_RUNS = ("smoke-fp16-appended", "smoke-fp16-capacity", "smoke-static-splits", "smoke-graphs-nan-check")
+REFUSED_DRY_RUNS = (
+    *("smoke-fp16-appended", "smoke-fp16-capacity", "smoke-static-splits", "smoke-graphs-nan-check"),
+    *("ep8-etp-blocking", "ep8-etp", "ep8-pp2", "ep8-cp2", "smoke-topk0"),
+)
 PASSING_DRY_RUNS = [name for name in DRY_RUNS if name not in (*REFUSED_DRY_RUNS, "smoke-fp8")]
 # The tools the scripts use outside bash, and no other (no nvidia-smi, no SLURM command).
 SCRIPT_TOOLS = ("dirname",)
@@ -407,9 +420,52 @@ def test_dry_run_refuses_a_capacity_factor_below_one(dry_runs):
 def test_dry_run_names_the_flags_a_run_needs(dry_runs):
     result = dry_runs["incomplete"]
 
-    assert result.returncode == 1, result.stderr[-3000:]
-    assert "set --micro-batch-size N" in result.stderr and "--eval-interval N" in result.stderr
-    assert "Traceback" not in result.stderr
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stderr.startswith("pretrain_moe.py: error: set --micro-batch-size N"), result.stderr[-3000:]
+    assert "--eval-interval N" in result.stderr and result.stderr.count("\n") == 1
+
+
+@pytest.mark.parametrize(
+    "name, message, fix",
+    [
+        (
+            # The run's layer build refuses it (GroupedMLP._check_config): the dry run calls that check.
+            "ep8-etp-blocking",
+            "megatron_ext GroupedMLP, the experts this layer spec names, does not support expert tensor "
+            "parallelism (`--expert-tensor-parallel-size`)",
+            "set it to 1",
+        ),
+        (
+            "ep8-etp",
+            "--moe-hybridep-capacity-factor with --expert-tensor-parallel-size 2: capacity mode's experts are not "
+            "split by tensor parallelism",
+            "Pass --expert-tensor-parallel-size 1",
+        ),
+        (
+            # The script sets --expert-model-parallel-size 8; the user added the pipeline: both are named.
+            "ep8-pp2",
+            "--pipeline-model-parallel-size 2 x --expert-model-parallel-size 8 x --expert-tensor-parallel-size 1 = 16 "
+            "ranks for each pipeline stage's experts, but the world size is 8",
+            "Lower one of these sizes, or run on a multiple of 16 ranks",
+        ),
+        (
+            "ep8-cp2",
+            "--moe-hybridep-capacity-factor with --context-parallel-size 2: megatron-ext has not run or tested",
+            "Use --context-parallel-size 1",
+        ),
+        ("smoke-topk0", "--moe-router-topk 0: each token goes to between 1 and --num-experts (8)", "use a top-k"),
+    ],
+)
+def test_dry_run_refuses_what_the_run_would_refuse(dry_runs, name, message, fix):
+    result = dry_runs[name]
+
+    assert result.returncode == 2, result.stderr[-3000:]
+    *remarks, refusal = result.stderr.splitlines()
+    assert refusal.startswith(f"pretrain_moe.py: error: {message}"), result.stderr[-3000:]
+    assert fix in refusal
+    # Before the refusal, at most Megatron's one-line remarks on the flags (64 experts without fp32 routing).
+    assert all(line.startswith("pretrain_moe.py: Megatron: ") for line in remarks), result.stderr[-3000:]
+    assert "megatron-ext dry run:" not in result.stdout
 
 
 def test_help_lists_the_dry_run_and_megatron_ext_flags(dry_runs):

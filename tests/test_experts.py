@@ -361,11 +361,21 @@ REFUSED = [
 @pytest.mark.parametrize("overrides, flag", REFUSED, ids=[f for _, f in REFUSED])
 def test_refused_configurations_name_the_flag(pg, overrides, flag):
     with pytest.raises(ValueError, match=re.escape(flag)) as refused:
-        GroupedMLP(L, _config(**overrides), pg_collection=pg)
+        GroupedMLP(L, _config(moe_hybridep_capacity_factor=1.5, **overrides), pg_collection=pg)
     # The user named other experts: the message says capacity mode built these, and the ways around.
     message = str(refused.value)
     assert "the experts --moe-hybridep-capacity-factor builds here" in message, message
     assert "--use-transformer-engine-op-fuser" in message and "drop --moe-hybridep-capacity-factor" in message
+
+
+def test_without_capacity_mode_a_refusal_names_the_spec_that_chose_these_experts(pg):
+    # The example's local spec builds GroupedMLP for --moe-grouped-gemm in either mode.
+    with pytest.raises(ValueError) as refused:
+        GroupedMLP(L, _config(expert_tensor_parallel_size=2), pg_collection=pg)
+    message = str(refused.value)
+    assert message.startswith("megatron_ext GroupedMLP, the experts this layer spec names, does not support expert")
+    assert "set it to 1 (Megatron sets it to --tensor-model-parallel-size" in message
+    assert "--moe-hybridep-capacity-factor" not in message
 
 
 def test_16_byte_rows_are_accepted(pg):

@@ -59,6 +59,17 @@ def select_experts(config: Any, submodules: Any) -> Any:
     return dataclasses.replace(submodules, experts=GroupedMLP)
 
 
+def check_experts(config: Any, submodules: Any) -> None:
+    """Refuse, without building anything, what the experts of `submodules` (as `select_experts`
+    returns them) would refuse when built: megatron-ext's `GroupedMLP` runs the check its build
+    runs, with the expert tensor-parallel size Megatron gives its group. For a dry run of the flags."""
+    from megatron_ext.experts import GroupedMLP
+
+    built = _builder_class(submodules.experts)
+    if isinstance(built, type) and issubclass(built, GroupedMLP):
+        built._check_config(config, config.expert_tensor_parallel_size)
+
+
 def _fp8_recipe(config: Any) -> Any:
     """The Transformer Engine recipe Megatron trains `config`'s fp8 with (None without fp8)."""
     if not getattr(config, "fp8", None):
