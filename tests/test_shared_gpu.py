@@ -150,7 +150,7 @@ def _p2p_on_ranks(rank, world):
     try:
         peer = 1 - rank
         sent = torch.full((3, 2), float(rank + 1))
-        received = torch.zeros(3, 2)
+        received = torch.zeros(3, 2, requires_grad=True)  # as Megatron's pipeline schedules make them
         ops = [dist.P2POp(dist.isend, sent, peer), dist.P2POp(dist.irecv, received, peer)]
         ops = ops if rank == 0 else ops[::-1]
         works = dist.batch_isend_irecv(ops)
@@ -158,13 +158,13 @@ def _p2p_on_ranks(rank, world):
         sent.fill_(-1.0)  # after the send was staged: the peer must still get the value sent
         for work in works:
             work.wait()
-        assert torch.equal(received, torch.full((3, 2), float(peer + 1))), received
-        blocking = torch.zeros(4)
+        assert torch.equal(received.detach(), torch.full((3, 2), float(peer + 1))), received
+        blocking = torch.zeros(4, requires_grad=True)
         if rank == 0:
             dist.send(torch.arange(4.0), 1)
         else:
             dist.recv(blocking, 0)
-            assert torch.equal(blocking, torch.arange(4.0)), blocking
+            assert torch.equal(blocking.detach(), torch.arange(4.0)), blocking
         mean = torch.tensor([float(rank), 10.0])
         dist.all_reduce(mean, op=dist.ReduceOp.AVG)
         assert torch.equal(mean, torch.tensor([0.5, 10.0])), mean

@@ -72,7 +72,8 @@ class StagedWork:
         if not self._done:
             self.work.wait() if timeout is None else self.work.wait(timeout)
             if self.target is not None:
-                self.target.copy_(self.host)
+                with torch.no_grad():  # pipeline schedules receive into leaves that require grad
+                    self.target.copy_(self.host)
             self._done = True
         return True
 
@@ -107,7 +108,8 @@ def _staged_p2p(isend: Callable, irecv: Callable, send: Callable, recv: Callable
             return recv(tensor, *args, **kwargs)
         host = torch.empty(tensor.shape, dtype=tensor.dtype)
         source = recv(host, *args, **kwargs)
-        tensor.copy_(host)
+        with torch.no_grad():
+            tensor.copy_(host)
         return source
 
     return dict(isend=staged_isend, irecv=staged_irecv, send=staged_send, recv=staged_recv)
