@@ -5,22 +5,23 @@ With `megatron_ext.patches.apply()` the flags come from Megatron's own `Transfor
 patch, pass `extra_args_provider` to `megatron.training.arguments.parse_args` (or
 `initialize_megatron`). Either way, an invalid combination stops `parse_args` with exit status 2
 and one line, `<prog>: error: <message>`, naming the flag and the fix: printed by the job's first
-rank only, and without argparse's usage block (Megatron's runs to some 745 lines, on every rank).
-Argparse's own errors for megatron-ext's flags (a value that is not one of the choices, or not a
-number) read the same way; those for Megatron's flags are left as Megatron prints them.
+rank only, and without argparse's usage block (Megatron's runs to some 725 lines, on every rank).
+Argparse's own errors (a flag it does not know, a value that is not one of the choices or not a
+number), for Megatron's flags and megatron-ext's alike, read the same way; for a mistyped flag the
+line names the flag meant, when one is close.
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
+import re
 import sys
 from dataclasses import fields
 from typing import NoReturn
 
 from megatron_ext.logs import first_rank
 from megatron_ext.options import (
-    CONFIG_PREFIX,
-    OPTION_NAMES,
     HybridEPConfigError,
     check_parsed_precision,
     flag,
@@ -28,8 +29,6 @@ from megatron_ext.options import (
 )
 
 GROUP_TITLE = "megatron-ext HybridEP dispatch"
-# How argparse names one of megatron-ext's flags in its own errors ("argument --moe-hybridep-x: ...").
-_OUR_ARGUMENT_ERRORS: tuple[str, ...] = tuple(f"argument {flag(CONFIG_PREFIX + name)}:" for name in OPTION_NAMES)
 
 
 def refuse(parser: argparse.ArgumentParser, message: str) -> NoReturn:
@@ -45,11 +44,11 @@ def refuse(parser: argparse.ArgumentParser, message: str) -> NoReturn:
 
 
 def install_validation(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Make `parser` refuse invalid megatron-ext option combinations when it parses (idempotent)."""
+    """Make `parser` refuse invalid megatron-ext option combinations when it parses, and say any
+    parse error (an unknown flag, a bad value) in one line without the usage block (idempotent)."""
     if getattr(parser, "_megatron_ext_validates", False):
         return parser
     parse_known_args = parser.parse_known_args
-    error = parser.error
 
     def parse_and_validate(args=None, namespace=None):
         parsed, extras = parse_known_args(args, namespace)
@@ -60,17 +59,31 @@ def install_validation(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
             refuse(parser, str(exc))
         return parsed, extras
 
-    def error_without_usage_for_our_flags(message):
-        # argparse reports a bad value of a flag through `parser.error`; for megatron-ext's flags the
-        # error line alone, for every other flag (Megatron's) whatever the parser did before.
-        if message.startswith(_OUR_ARGUMENT_ERRORS):
-            refuse(parser, message)
-        error(message)
+    def error_in_one_line(message):
+        # argparse reports an unknown flag or a bad value through `parser.error`, which prints the
+        # usage first (Megatron's runs to hundreds of lines and buries the error): the line alone.
+        refuse(parser, message + _near_misses(parser, message))
 
     parser.parse_known_args = parse_and_validate
-    parser.error = error_without_usage_for_our_flags
+    parser.error = error_in_one_line
     parser._megatron_ext_validates = True
     return parser
+
+
+def _near_misses(parser: argparse.ArgumentParser, message: str) -> str:
+    """For argparse's "unrecognized arguments: ..." error, the flags the user probably meant
+    (`--moe-hybridep-capcity-factor` -> `--moe-hybridep-capacity-factor`), as text to append."""
+    if not message.startswith("unrecognized arguments: "):
+        return ""
+    known = [option for option in parser._option_string_actions if option.startswith("--")]
+    given = re.findall(r"(?<!\S)--[\w-]+", message)
+    closest = {g: difflib.get_close_matches(g, known, n=1, cutoff=0.85) for g in given}
+    meant = {g: close[0] for g, close in closest.items() if close}
+    if not meant:
+        return f"; {parser.prog} --help lists the flags"
+    if len(given) == 1:
+        return f" (did you mean {meant[given[0]]}?)"
+    return f" (did you mean {' and '.join(f'{m} for {g}' for g, m in meant.items())}?)"
 
 
 def extra_args_provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

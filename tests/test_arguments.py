@@ -555,10 +555,46 @@ def test_patched_parse_args_refusal_is_said_by_the_first_rank_only(patched, monk
     assert extra[0] in err
 
 
-def test_megatrons_own_errors_keep_their_usage(patched, monkeypatch, capsys):
-    # Only megatron-ext's flags lose the usage block; a bad value of Megatron's own flag is left to it.
-    err = parse_error(patched, monkeypatch, capsys, "--moe-token-dispatcher-type", "nope", usage=True)
-    assert "argument --moe-token-dispatcher-type: invalid choice: 'nope'" in err
+@pytest.mark.parametrize(
+    "extra, expected",
+    [
+        (
+            ["--moe-hybridep-capcity-factor", "1.5"],
+            "unrecognized arguments: --moe-hybridep-capcity-factor 1.5 (did you mean --moe-hybridep-capacity-factor?)",
+        ),
+        (
+            ["--moe-hybridep-equal-token-count", "--num-layer", "4"],
+            "unrecognized arguments: --moe-hybridep-equal-token-count --num-layer 4 (did you mean "
+            "--moe-hybridep-equal-token-counts for --moe-hybridep-equal-token-count and --num-layers for --num-layer?)",
+        ),
+        (["--no-such-flag"], "unrecognized arguments: --no-such-flag; prog --help lists the flags"),
+        (
+            ["--cuda-graph-impl", "bogus"],
+            "argument --cuda-graph-impl: invalid choice: 'bogus' (choose from 'none', 'local', 'transformer_engine', "
+            "'full_iteration')",
+        ),
+        (["--moe-router-topk", "two"], "argument --moe-router-topk: invalid int value: 'two'"),
+        (
+            ["--moe-token-dispatcher-type", "nope"],
+            "argument --moe-token-dispatcher-type: invalid choice: 'nope' (choose from 'allgather', 'alltoall', "
+            "'flex')",
+        ),
+    ],
+    ids=["typo-of-ours", "two-typos", "unknown", "megatron-choice", "megatron-type", "megatron-dispatcher"],
+)
+def test_patched_parse_errors_are_one_line_naming_the_flag_meant(patched, monkeypatch, capsys, extra, expected):
+    # argparse would print the usage first: Megatron's is some 725 lines.
+    err = parse_error(patched, monkeypatch, capsys, *extra)
+    assert err == f"prog: error: {expected}\n"
+
+
+def test_extra_args_provider_parse_errors_are_one_line_too(unpatched, monkeypatch, capsys):
+    from megatron_ext.arguments import extra_args_provider
+
+    err = parse_error(
+        unpatched, monkeypatch, capsys, "--moe-hybridep-capacity-factr", "2", provider=extra_args_provider
+    )
+    assert "(did you mean --moe-hybridep-capacity-factor?)" in err
 
 
 # --- without the patch -----------------------------------------------------------------------
