@@ -49,4 +49,5 @@ args+=("${mode_flags[@]}" "$@")
 if [[ ${DRY_RUN:-0} == 1 ]]; then
   WORLD_SIZE=$GPUS exec "$PYTHON" "$here/pretrain_moe.py" "${args[@]}" --megatron-ext-dry-run
 fi
+require_gpu  # modes.sh
 exec "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$GPUS" "$here/pretrain_moe.py" "${args[@]}"

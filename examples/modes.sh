@@ -8,6 +8,7 @@
 #     TE's op-fuser experts (megatron-ext's own compute in bf16 on a GPU; the parse says so).
 #   common_flags: the flags of both modes that every launch script passes; a script adds its
 #     model's sizes and experts, its parallelism, batch, precision, schedule and iterations.
+# and defines require_gpu, which a script calls before it starts torchrun.
 MODE=${MODE:-capacity}
 PRECISION=${PRECISION:-bf16}
 CAPACITY_FACTOR=${CAPACITY_FACTOR:-1.5}
@@ -20,6 +21,16 @@ case $PRECISION in
   bf16 | fp16) ;;
   *) echo "PRECISION must be bf16 or fp16, not '$PRECISION'" >&2; exit 2 ;;
 esac
+# A launch script calls this before torchrun: where no CUDA GPU is visible, one line and exit status
+# 2, rather than every rank failing in Megatron's first question to the GPU inside torchrun's report.
+require_gpu() {
+  local status=0
+  "$PYTHON" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 3)' 2>/dev/null || status=$?
+  if ((status == 3)); then
+    echo "$(basename "$0"): error: training needs a CUDA GPU and none is visible here; DRY_RUN=1 checks the flags on any machine" >&2
+    exit 2
+  fi
+}
 common_flags=(
   --transformer-impl local
   # Without apex or Megatron's CUDA extensions: the fused wgrad accumulation and masked softmax

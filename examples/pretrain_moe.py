@@ -57,9 +57,10 @@ DRY_RUN = "--megatron-ext-dry-run"
 @contextlib.contextmanager
 def quiet_imports_in_a_dry_run():
     """In a dry run, leave out the warnings given while Megatron and torch import: they say what this
-    machine lacks for training (Transformer Engine, apex, a CUDA runtime), which a dry run does not do.
-    A run that trains keeps them; megatron-ext's own warnings are kept either way."""
-    if __name__ != "__main__" or DRY_RUN not in sys.argv[1:]:
+    machine lacks for training (Transformer Engine, apex, a CUDA runtime), which a dry run does not do;
+    the same where no GPU is visible, where the example refuses to train in one line. A run that trains
+    keeps them; megatron-ext's own warnings are kept either way."""
+    if __name__ != "__main__" or (DRY_RUN not in sys.argv[1:] and _cuda_visible()):
         yield
         return
     cpp_extension = logging.getLogger("torch.utils.cpp_extension")  # "No CUDA runtime is found"
@@ -72,6 +73,12 @@ def quiet_imports_in_a_dry_run():
             yield
     finally:
         cpp_extension.setLevel(level)
+
+
+def _cuda_visible() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 with quiet_imports_in_a_dry_run():
@@ -508,6 +515,9 @@ def main() -> None:
     if DRY_RUN in sys.argv[1:]:
         dry_run()
         return
+    if not torch.cuda.is_available():  # validate_args would ask the GPU first, in a traceback
+        parse_args(extra_args_provider=add_arguments)  # --help, and a bad flag's one line, still work here
+        refuse(f"training needs a CUDA GPU and none is visible here; {DRY_RUN} checks the flags on any machine.")
     args = parse_and_validate_args(extra_args_provider=add_arguments)
     check_supported(args)
     use_prebuilt_dataset_helpers()

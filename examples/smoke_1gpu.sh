@@ -45,4 +45,5 @@ args+=("${mode_flags[@]}" "$@")
 if [[ ${DRY_RUN:-0} == 1 ]]; then
   WORLD_SIZE=1 exec "$PYTHON" "$here/pretrain_moe.py" "${args[@]}" --megatron-ext-dry-run
 fi
+require_gpu  # modes.sh
 exec "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node 1 "$here/pretrain_moe.py" "${args[@]}"

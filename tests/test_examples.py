@@ -57,6 +57,7 @@ DRY_RUNS = {
     "ep8-pp2": ("ep8_single_node.sh", {}, ["--pipeline-model-parallel-size", "2"]),
     "ep8-cp2": ("ep8_single_node.sh", {}, ["--context-parallel-size", "2"]),
     "smoke-topk0": ("smoke_1gpu.sh", {}, ["--moe-router-topk", "0"]),
+    "smoke-typo": ("smoke_1gpu.sh", {}, ["--moe-hybridep-capcity-factor", "1.5"]),
     # docs/examples.md's fp8 line: TE's layers and op-fuser experts, tensorwise.
     "smoke-fp8": (
         "smoke_1gpu.sh",
@@ -72,7 +73,7 @@ SCRIPTS = sorted(
 )
 REFUSED_DRY_RUNS = (
     *("smoke-fp16-appended", "smoke-fp16-capacity", "smoke-static-splits", "smoke-graphs-nan-check"),
-    *("ep8-etp-blocking", "ep8-etp", "ep8-pp2", "ep8-cp2", "smoke-topk0"),
+    *("ep8-etp-blocking", "ep8-etp", "ep8-pp2", "ep8-cp2", "smoke-topk0", "smoke-typo"),
 )
 PASSING_DRY_RUNS = [name for name in DRY_RUNS if name not in (*REFUSED_DRY_RUNS, "smoke-fp8")]
 # The tools the scripts use outside bash, and no other (no nvidia-smi, no SLURM command).
@@ -454,6 +455,12 @@ def test_dry_run_names_the_flags_a_run_needs(dry_runs):
             "Use --context-parallel-size 1",
         ),
         ("smoke-topk0", "--moe-router-topk 0: each token goes to between 1 and --num-experts (8)", "use a top-k"),
+        (
+            # Megatron's parser would print its usage (some 725 lines) before argparse's error.
+            "smoke-typo",
+            "unrecognized arguments: --moe-hybridep-capcity-factor 1.5",
+            "(did you mean --moe-hybridep-capacity-factor?)",
+        ),
     ],
 )
 def test_dry_run_refuses_what_the_run_would_refuse(dry_runs, name, message, fix):
@@ -466,6 +473,21 @@ def test_dry_run_refuses_what_the_run_would_refuse(dry_runs, name, message, fix)
     # Before the refusal, at most Megatron's one-line remarks on the flags (64 experts without fp32 routing).
     assert all(line.startswith("pretrain_moe.py: Megatron: ") for line in remarks), result.stderr[-3000:]
     assert "megatron-ext dry run:" not in result.stdout
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")
+@pytest.mark.parametrize("script", ["smoke_1gpu.sh", "ep8_single_node.sh", "pretrain_moe.py"])
+def test_a_run_without_a_gpu_says_so_in_one_line(smoke_args, script):
+    """Each rank failed in Megatron's first question to the GPU, two tracebacks inside torchrun's report."""
+    if script == "pretrain_moe.py":
+        command, name, dry_run = [sys.executable, str(PRETRAIN), *smoke_args], "pretrain_moe.py", DRY_RUN_FLAG
+    else:
+        command, name, dry_run = ["bash", str(EXAMPLES / script)], script, "DRY_RUN=1"
+    result = subprocess.run(command, env=script_env(PYTHON=sys.executable), capture_output=True, text=True, timeout=120)
+
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stderr.startswith(f"{name}: error: training needs a CUDA GPU and none is visible here; {dry_run}")
+    assert result.stderr.count("\n") == 1, result.stderr[-3000:]
 
 
 def test_help_lists_the_dry_run_and_megatron_ext_flags(dry_runs):
