@@ -248,6 +248,11 @@ def test_a_mode_that_differs_fails_the_run_by_name():
         (["--json", "/"], "--json /: cannot write there"),
         (["--ranks-per-gpu", "2", "--device", "cpu"], "--ranks-per-gpu 2: ranks share GPUs, and no CUDA device"),
         (["--ranks-per-gpu", "0"], "--ranks-per-gpu must be at least 1"),
+        (["--skew", "nan"], "--skew nan: use a finite number (0 balances the routing"),
+        (["--skew", "inf"], "--skew inf: use a finite number"),
+        (["--skew=-inf"], "--skew -inf: use a finite number"),
+        (["--plot", "/proc/out.png"], "--plot /proc/out.png: cannot write there"),  # os.access says yes to root
+        (["--capcity-factor", "2"], "unrecognized arguments: --capcity-factor 2"),
     ],
 )
 def test_bad_arguments_are_refused_with_the_fix(argv, message, capsys, monkeypatch):
@@ -257,7 +262,64 @@ def test_bad_arguments_are_refused_with_the_fix(argv, message, capsys, monkeypat
     with pytest.raises(SystemExit) as exit_info:
         parse(argv)
     assert exit_info.value.code == 2
-    assert message in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err.startswith("megatron-ext-bench: error: ") and message in err, err  # no usage block before it
+    assert err.count("\n") == 1, err
+
+
+GIB = 2**30
+
+
+@pytest.mark.parametrize(
+    "argv, available_gib, refused",
+    [
+        (["--size", "large"], 23, True),  # SIGKILL'ed some 48 s in on a machine of 23 GiB
+        (["--size", "fine"], 23, True),
+        (["--size", "large", "--layers", "1", "--world-size", "2"], 23, False),
+        (["--size", "small"], 2, False),
+        (["--size", "large"], 1024, False),
+    ],
+    ids=["large", "fine", "large-1-layer-2-ranks", "small", "large-enough-memory"],
+)
+def test_a_stack_the_cpu_ranks_cannot_hold_is_refused_before_the_run(argv, available_gib, refused, capsys, monkeypatch):
+    from megatron_ext.bench import cli
+
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setattr(cli, "_available_bytes", lambda: available_gib * GIB)
+    if not refused:
+        assert cli.parse([*argv, "--device", "cpu"]).size == argv[1]
+        return
+    with pytest.raises(SystemExit) as exit_info:
+        cli.parse([*argv, "--device", "cpu"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"megatron-ext-bench: error: --size {argv[1]} on 4 CPU ranks needs at least ")
+    assert f"and {available_gib} GiB is available here; run it on GPUs, or on CPU a smaller --size" in err
+    assert err.count("\n") == 1
+
+
+def test_the_memory_estimate_is_a_lower_bound_of_the_weights_and_activations():
+    from megatron_ext.bench.sizes import SIZES, least_bytes
+
+    large = SIZES["large"]
+    weights = 8 * 64 * 3 * 4096 * 1024  # GLU experts: fc1 [2 x FFN, H], fc2 [H, FFN]
+    activations = 8 * 8192 * 8 * (4096 + 2 * 1024)  # per rank: each layer's rows and fc1 outputs
+    assert least_bytes(large, 4, 4) == 4 * (2 * weights + 4 * activations)
+    assert least_bytes(large, 1, 2) == 2 * (2 * weights + activations)
+
+
+def test_a_rank_killed_by_sigkill_is_said_to_have_run_out_of_memory(capsys, monkeypatch):
+    from megatron_ext.bench import cli
+
+    def killed(*args, **kwargs):
+        raise RuntimeError("process 2 terminated with signal SIGKILL")  # as torch.multiprocessing says it
+
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setattr(cli, "run_on_ranks", killed)
+    assert cli.main(["--device", "cpu", "--world-size", "2"]) == 1
+    err = capsys.readouterr().err
+    assert "FAILED: a rank stopped: process 2 terminated with signal SIGKILL" in err
+    assert "a rank ran out of memory; try a smaller stack" in err
 
 
 def test_modes_selection_keeps_blocking_and_table_order():
@@ -359,10 +421,11 @@ def _fields(args) -> tuple[int, ...]:
 
 
 def _parse(argv, monkeypatch):
-    from megatron_ext.bench.cli import parse
+    from megatron_ext.bench import cli
 
     monkeypatch.delenv("RANK", raising=False)
-    return parse([*argv, "--device", "cpu"])
+    monkeypatch.setattr(cli, "_available_bytes", lambda: None)  # the sizes alone: the memory check is tested apart
+    return cli.parse([*argv, "--device", "cpu"])
 
 
 @pytest.mark.parametrize(

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import sys
 import tempfile
@@ -32,7 +33,7 @@ import torch
 import megatron_ext
 from megatron_ext.bench.modes import BLOCKING, FP8_REFERENCE, all_modes, select
 from megatron_ext.bench.report import WIDTH
-from megatron_ext.bench.sizes import DEFAULT_SIZE, SIZES, SizedParser, Sizes, describe_size
+from megatron_ext.bench.sizes import DEFAULT_SIZE, SIZES, SizedParser, Sizes, describe_size, least_bytes
 from megatron_ext.bench.stack import DTYPES
 from megatron_ext.logs import log_with_rank_prefix
 from megatron_ext.options import FP8_RECIPES, STATIC_SPLITS_FP8_RECIPES, capacity_factor_argument
@@ -157,6 +158,8 @@ def parse(argv=None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
     if args.warmup < 0:
         p.error("--warmup must be at least 0")
+    if not math.isfinite(args.skew):
+        p.error(f"--skew {args.skew}: use a finite number (0 balances the routing, 1 skews it strongly)")
     if not 1 <= args.topk <= args.experts:
         p.error(f"--topk {args.topk} must be between 1 and --experts ({args.experts})")
     if args.experts % args.world_size:
@@ -170,6 +173,8 @@ def parse(argv=None) -> argparse.Namespace:
             import matplotlib  # noqa: F401
         except ImportError:
             p.error("--plot needs matplotlib: pip install 'megatron-ext[plot]'")
+    if not cuda:
+        _check_host_memory(p, args)
     for option in ("json", "plot"):  # before the run, not after it
         path = getattr(args, option)
         if path is not None and not _writable(path):
@@ -184,7 +189,38 @@ def _writable(path: str) -> bool:
     if os.path.exists(path):
         return os.access(path, os.W_OK)
     folder = os.path.dirname(os.path.abspath(path))
-    return os.path.isdir(folder) and os.access(folder, os.W_OK)
+    try:  # a file made and removed: os.access answers yes to root in folders like /proc
+        with tempfile.TemporaryFile(dir=folder):
+            return True
+    except OSError:
+        return False
+
+
+def _available_bytes() -> int | None:
+    """The memory this machine can still give (Linux's MemAvailable), or None where unknown."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _check_host_memory(p: argparse.ArgumentParser, args) -> None:
+    """Refuse before starting a stack the CPU ranks cannot hold (the kernel would kill a rank
+    some way into the run, SIGKILL and nothing more)."""
+    available = _available_bytes()
+    needed = least_bytes(vars(args), args.world_size, 2 if args.dtype in ("bf16", "fp16") else 4)
+    if available is None or needed <= available:
+        return
+    stack = f"--size {args.size}" if args.size else "this stack"
+    p.error(
+        f"{stack} on {args.world_size} CPU ranks needs at least {needed / 2**30:.0f} GiB of memory (the expert "
+        f"weights and gradients, each rank's activations), and {available / 2**30:.0f} GiB is available here; "
+        "run it on GPUs, or on CPU a smaller --size (small) or fewer --layers, --tokens or --world-size"
+    )
 
 
 def sizes_of(args) -> Sizes:
@@ -395,6 +431,13 @@ def _failure_summary(failure_dir: str) -> list[str]:
     return lines
 
 
+def _killed(error: Exception) -> str:
+    """What a rank that died of SIGKILL (no Python error of its own) most likely met."""
+    if "SIGKILL" not in str(error):
+        return ""
+    return " (most likely the system's out-of-memory killer: a rank ran out of memory; try a smaller stack)"
+
+
 def main(argv=None) -> int:
     args = parse(argv)
     with tempfile.TemporaryDirectory() as tmp:
@@ -406,7 +449,7 @@ def main(argv=None) -> int:
                 _rank, args.world_size, args, failure_dir, status, where=args.placement, timeout_s=args.timeout
             )
         except Exception as error:  # a rank failed (spawned: the others were stopped)
-            lines = _failure_summary(failure_dir) or [f"FAILED: a rank stopped: {error}"]
+            lines = _failure_summary(failure_dir) or [f"FAILED: a rank stopped: {error}{_killed(error)}"]
             print("\n".join(lines), file=sys.stderr)
             return 1
         ok = os.path.exists(status) and open(status).read() == "ok"

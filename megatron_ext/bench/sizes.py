@@ -67,10 +67,26 @@ def fill_sizes(args: argparse.Namespace) -> argparse.Namespace:
     return args
 
 
+def least_bytes(fields: dict, world_size: int, dtype_bytes: int) -> int:
+    """A lower bound of the memory the bench's `world_size` ranks hold together for this stack:
+    the expert weights (GLU: 3 x hidden x FFN each) and their gradients, and on every rank each
+    layer's dispatched rows (tokens x top-k, hidden wide) and fc1 outputs (2 x FFN wide), kept for
+    the backward. The bench holds more: the checked steps' reference outputs and gradients, the
+    capacity's spare rows, the dispatch buffers."""
+    weights = 2 * fields["layers"] * fields["experts"] * 3 * fields["hidden"] * fields["ffn_hidden"]
+    rows = fields["tokens"] * fields["topk"]
+    activations = world_size * fields["layers"] * rows * (fields["hidden"] + 2 * fields["ffn_hidden"])
+    return (weights + activations) * dtype_bytes
+
+
 class SizedParser(argparse.ArgumentParser):
     """A parser whose results have the stack sizes filled in (`fill_sizes`): the size flags default
-    to None so that one given next to --size can be told from one left out."""
+    to None so that one given next to --size can be told from one left out. Its errors are one
+    line, without argparse's usage block (`--help` prints that)."""
 
     def parse_known_args(self, args=None, namespace=None):
         parsed, rest = super().parse_known_args(args, namespace)
         return fill_sizes(parsed), rest
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n")
