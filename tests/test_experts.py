@@ -368,6 +368,22 @@ def test_refused_configurations_name_the_flag(pg, overrides, flag):
     assert "--use-transformer-engine-op-fuser" in message and "drop --moe-hybridep-capacity-factor" in message
 
 
+@pytest.mark.parametrize("overrides, flag", REFUSED, ids=[f for _, f in REFUSED])
+def test_a_dry_run_refuses_as_the_build_does(pg, overrides, flag):
+    """`check_experts` (the example's dry run) runs the build's own check: the same refusal, word for word."""
+    from megatron.core.transformer.moe.moe_layer import MoESubmodules
+
+    from megatron_ext.patches._moe_layer import check_experts
+
+    config = _config(moe_hybridep_capacity_factor=1.5, **overrides)
+    with pytest.raises(ValueError) as built:
+        GroupedMLP(L, config, pg_collection=pg)
+    with pytest.raises(ValueError) as checked:
+        check_experts(config, MoESubmodules(experts=GroupedMLP))
+    assert str(checked.value) == str(built.value) and flag in str(checked.value)
+    check_experts(config, MoESubmodules(experts=torch.nn.Identity))  # other experts: their own build checks
+
+
 def test_without_capacity_mode_a_refusal_names_the_spec_that_chose_these_experts(pg):
     # The example's local spec builds GroupedMLP for --moe-grouped-gemm in either mode.
     with pytest.raises(ValueError) as refused:
