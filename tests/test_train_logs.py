@@ -32,7 +32,10 @@ def test_logs_are_compared_with_the_first_at_every_iteration():
 def test_a_log_that_stopped_early_differs():
     rows = [(i, 20.0, "1.0E+01", "4.0") for i in range(1, 6)]
     reference, short = train_logs.parse_log(_log(rows)), train_logs.parse_log(_log(rows[:3]))
-    assert train_logs.first_difference(reference, short) == "logged iterations differ: 5 against 3"
+    said = "logged iterations differ: 5 against 3 (the same at the 3 both logged)"
+    assert train_logs.first_difference(reference, short) == said
+    drifted = train_logs.parse_log(_log([*rows[:2], (3, 20.0, "9.0E+00", "4.0")]))
+    assert train_logs.first_difference(reference, drifted) == "iteration 3: lm loss 1.0E+01 against 9.0E+00"
     assert train_logs.first_difference(reference, reference) is None
     # A run that failed before its first iteration (or a reference that did) is no match.
     assert train_logs.first_difference(reference, {}) == "no iterations logged (see the run's log for why)"

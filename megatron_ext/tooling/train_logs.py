@@ -60,19 +60,25 @@ def reruns_and_growths(text: str) -> tuple[int, int]:
 
 
 def first_difference(reference: dict, other: dict) -> str | None:
-    """The first logged iteration and value (of `COMPARED`) where `other` differs; None if none.
-    Two runs that logged nothing are not called identical."""
+    """The first logged iteration and value (of `COMPARED`) where `other` differs, among the
+    iterations both logged; else, if they logged different iterations, how (a run stopped early is
+    no match, but says how far it agreed); None if identical. Two runs that logged nothing are not
+    called identical."""
     if not other:
         return "no iterations logged (see the run's log for why)"
     if not reference:
         return "the reference logged no iterations"
-    if sorted(reference) != sorted(other):
-        return f"logged iterations differ: {len(reference)} against {len(other)}"
-    for iteration in sorted(reference):
+    common = sorted(reference.keys() & other.keys())
+    for iteration in common:
         for name in COMPARED:
             a, b = reference[iteration].get(name), other[iteration].get(name)
             if a != b:
                 return f"iteration {iteration}: {name} {a} against {b}"
+    if sorted(reference) != sorted(other):
+        return (
+            f"logged iterations differ: {len(reference)} against {len(other)} "
+            f"(the same at the {len(common)} both logged)"
+        )
     return None
 
 
