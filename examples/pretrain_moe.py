@@ -392,8 +392,10 @@ def describe(args, config, spec_experts, built_experts) -> list[tuple[str, objec
     deep_ep_missing = deep_ep_import_error()
     rows = [
         ("world size", args.world_size),
+        ("distributed backend", args.distributed_backend),
         ("tensor parallel", args.tensor_model_parallel_size),
         ("pipeline parallel", args.pipeline_model_parallel_size),
+        ("virtual pipeline stages per rank", args.virtual_pipeline_model_parallel_size or 1),
         ("expert parallel", args.expert_model_parallel_size),
         ("expert tensor parallel", args.expert_tensor_parallel_size),
         ("data parallel", args.data_parallel_size),

@@ -15,7 +15,7 @@
 # Needs: CUDA GPUs (bf16, compute capability >= 8.0), torch, megatron-core 0.19.x and megatron-ext
 # installed; no Transformer Engine or apex (as smoke_1gpu.sh).
 #
-# Env: RANKS (default: the GPUs nvidia-smi lists x RANKS_PER_GPU), RANKS_PER_GPU (default 1), PP
+# Env: RANKS (default 2: processes, one per GPU unless RANKS_PER_GPU), RANKS_PER_GPU (default 1), PP
 # (default 1: pipeline stages; the expert-parallel size is RANKS / PP), VPP (default 1: virtual
 # stages per pipeline rank, the interleaved schedule; the 4 layers must divide by PP x VPP),
 # MODE=capacity|blocking, PRECISION=bf16|fp16, PYTHON, DRY_RUN=1 (check the flags with Megatron's
@@ -26,11 +26,7 @@ here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 [ -x "$here/../.venv/bin/python" ] && default_python=$here/../.venv/bin/python || default_python=python
 PYTHON=${PYTHON:-$default_python}
 source "$here/modes.sh"  # MODE, PRECISION -> mode_flags; common_flags
-RANKS_PER_GPU=${RANKS_PER_GPU:-1} PP=${PP:-1} VPP=${VPP:-1}
-if [ -z "${RANKS:-}" ]; then
-  gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
-  RANKS=$((${gpus:-0} > 0 ? gpus * RANKS_PER_GPU : 2))  # no GPU here (a dry run): 2 ranks
-fi
+RANKS=${RANKS:-2} RANKS_PER_GPU=${RANKS_PER_GPU:-1} PP=${PP:-1} VPP=${VPP:-1}
 for name in RANKS RANKS_PER_GPU PP VPP; do
   [[ ${!name} =~ ^[1-9][0-9]*$ ]] || { echo "$name must be a positive integer, not '${!name}'" >&2; exit 2; }
 done
@@ -65,5 +61,6 @@ args+=("${mode_flags[@]}" "$@")
 if [[ ${DRY_RUN:-0} == 1 ]]; then
   WORLD_SIZE=$RANKS exec "$PYTHON" "$here/pretrain_moe.py" "${args[@]}" --megatron-ext-dry-run
 fi
+require_gpu  # modes.sh
 exec "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$RANKS" "${launcher[@]}" \
   "$here/pretrain_moe.py" "${args[@]}"

@@ -30,6 +30,7 @@ DRY_RUN_FLAG = "--megatron-ext-dry-run"
 SCRIPT_VARS = (
     *("MODE", "PRECISION", "GPUS", "DRY_RUN", "PYTHON", "WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_PORT"),
     *("TOKENS", "HIDDEN", "EXPERTS", "TOPK"),
+    *("RANKS", "RANKS_PER_GPU", "PP", "VPP", "CAPACITY_FACTOR"),
 )
 SLURM = {"SLURM_NNODES": "3", "SLURM_JOB_NODELIST": "node[01-03]", "SLURM_JOB_ID": "42"}
 
@@ -44,6 +45,10 @@ DRY_RUNS = {
     "smoke-static-splits": ("smoke_1gpu.sh", {}, ["--moe-hybridep-static-expert-splits"]),
     "smoke-graphs-nan-check": ("smoke_1gpu.sh", {}, ["--cuda-graph-impl", "full_iteration"]),
     "ep8": ("ep8_single_node.sh", {}, []),
+    "small-ep": ("small_ep.sh", {}, []),
+    # 4 ranks sharing a GPU: PP 2 x EP 2, and the interleaved schedule (2 virtual stages per rank)
+    "small-ep-pp2": ("small_ep.sh", {"RANKS": "4", "RANKS_PER_GPU": "4", "PP": "2"}, []),
+    "small-ep-vpp2": ("small_ep.sh", {"RANKS": "4", "PP": "2", "VPP": "2", "CAPACITY_FACTOR": "1.25"}, []),
     "slurm": ("slurm_multinode.sbatch", {**SLURM, "SLURM_SUBMIT_DIR": str(REPO)}, []),
     "roundtrip": ("roundtrip_torchrun.sh", {}, []),
     "smoke-fp16-appended": ("smoke_1gpu.sh", {}, ["--fp16"]),
@@ -233,6 +238,52 @@ def test_ep8_dry_run(dry_runs):
     assert (got["layers"], got["hidden size"], got["experts"], got["top-k"]) == ("16", "2048", "64", "8")
     assert (got["dispatcher"], got["flex backend"]) == ("flex", "hybridep")
     assert (got[FACTOR], got[EQUAL], got[REUSE]) == ("1.5", "True", "True")
+
+
+def test_small_ep_dry_runs_split_the_ranks_into_stages_and_expert_parallel(dry_runs):
+    names = ("small-ep", "small-ep-pp2", "small-ep-vpp2")
+    one_per_gpu, shared, interleaved = (dry_run_report(dry_runs, name) for name in names)
+
+    layout = (one_per_gpu["world size"], one_per_gpu["expert parallel"], one_per_gpu["pipeline parallel"])
+    assert layout == ("2", "2", "1")
+    assert one_per_gpu["distributed backend"] == "nccl" and one_per_gpu[FACTOR] == "1.5"
+    assert (shared["world size"], shared["pipeline parallel"], shared["expert parallel"]) == ("4", "2", "2")
+    assert shared["distributed backend"] == "gloo"  # 4 ranks share a GPU: NCCL refuses that
+    assert (interleaved["pipeline parallel"], interleaved["virtual pipeline stages per rank"]) == ("2", "2")
+    assert interleaved[FACTOR] == "1.25" and interleaved["distributed backend"] == "nccl"
+
+
+@pytest.mark.parametrize(
+    "env, message",
+    [
+        ({"RANKS": "3", "PP": "2"}, "RANKS=3 is not a multiple of PP=2"),
+        ({"RANKS": "4", "PP": "2", "VPP": "4"}, "PP=2 x VPP=4 must divide the model's 4 layers"),
+        ({"RANKS": "two"}, "RANKS must be a positive integer, not 'two'"),
+    ],
+)
+def test_small_ep_refuses_a_layout_it_cannot_split_in_one_line(env, message):
+    result = subprocess.run(
+        ["bash", str(EXAMPLES / "small_ep.sh")], env=script_env(DRY_RUN="1", **env), capture_output=True, text=True
+    )
+    lines = result.stderr.splitlines()
+    assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith(message), result.stderr
+    assert result.stdout == ""
+
+
+@pytest.mark.parametrize("ranks_per_gpu", ["1", "4"])
+def test_small_ep_shares_gpus_through_the_launcher_over_gloo(stubs, tmp_path, ranks_per_gpu):
+    env = dict(RANKS="4", RANKS_PER_GPU=ranks_per_gpu, PP="2")
+    _, train = recorded_command(stubs, tmp_path, "small_ep.sh", **env)
+    _, dry = recorded_command(stubs, tmp_path, "small_ep.sh", DRY_RUN="1", **env)
+
+    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4"]
+    if ranks_per_gpu != "1":
+        launcher += ["-m", "megatron_ext.tooling.shared_gpu", "--ranks-per-gpu", ranks_per_gpu]
+    assert train[: len(launcher)] == launcher
+    pretrain, *args = train[len(launcher) :]
+    assert Path(pretrain).resolve() == PRETRAIN and dry == [pretrain, *args, DRY_RUN_FLAG]
+    backend = args[args.index("--distributed-backend") + 1]
+    assert backend == ("nccl" if ranks_per_gpu == "1" else "gloo")
 
 
 def test_slurm_dry_run_takes_the_node_count_from_slurm(dry_runs):
