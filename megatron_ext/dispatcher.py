@@ -151,8 +151,11 @@ def megatron_graph_warmup() -> bool:
     return cuda_graphs.is_graph_warmup() or cuda_graphs.is_graph_capturing()
 
 
-# The name of megatron-ext's per-layer metric in Megatron's MoE logging (console, TensorBoard, W&B).
+# The names of megatron-ext's per-layer metrics in Megatron's MoE logging (console, TensorBoard,
+# W&B): rows / capacity of each forward dispatch, averaged over micro-batches and ranks; and the
+# largest rows / capacity a step reached on any rank, which shows the rank nearest an overflow.
 CAPACITY_USE_METRIC = "hybridep_capacity_use"
+CAPACITY_USE_MAX_METRIC = "hybridep_capacity_use_max"
 
 
 def device_message(text: str) -> str:
@@ -511,6 +514,17 @@ class HybridEPCapacityManager:
         get_moe_metrics_tracker().record(
             CAPACITY_USE_METRIC, rows.float() / self.capacity, self.layer_number, num_layers
         )
+
+    def record_capacity_use_max(self, use: torch.Tensor, num_microbatches: int) -> None:
+        """The step's largest rows / capacity on any rank (`use`, the same on every rank) into
+        Megatron's MoE metrics (`CAPACITY_USE_MAX_METRIC`), once per step: scaled by the micro-batch
+        count, which Megatron's report divides by (it averages what each micro-batch recorded)."""
+        if not self.log_metrics or self.layer_number is None:
+            return
+        from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+
+        num_layers = self.config.num_layers + (getattr(self.config, "mtp_num_layers", None) or 0)
+        get_moe_metrics_tracker().record(CAPACITY_USE_MAX_METRIC, use * num_microbatches, self.layer_number, num_layers)
 
     def headroom_threshold(self) -> Optional[int]:
         """Rows above which the layer's headroom is thin: half of the padding above the calibrated

@@ -291,28 +291,33 @@ class OverflowRerun:
         self._scaling: Optional[DelayedScalingState] = None
 
     @staticmethod
-    def _check(managers: list[HybridEPCapacityManager], overflows_before: list) -> tuple[bool, bool]:
+    def _check(managers: list[HybridEPCapacityManager], overflows_before: list) -> tuple[bool, bool, torch.Tensor]:
         """(any rank's layer overflowed since `overflows_before` (copies of the counts, None for a
-        layer not yet calibrated), any rank's layer used more than half its headroom): one
-        all-reduce over every rank and the step's one host read."""
+        layer not yet calibrated), any rank's layer used more than half its headroom, each layer's
+        largest rows / capacity on any rank, on the device, by layer number - 1): one all-reduce over
+        every rank and the step's one host read."""
         # Where the counters are (a group's backend may take them there, as NCCL and gloo take CUDA
         # tensors): copying each to another device first would read the GPU once per layer.
         device = next((m.overflows.device for m in managers if m.overflows is not None), None)
-        flags = torch.zeros(2, dtype=torch.int32, device=device or group_device())
+        layers = _numbered_layers(managers)
+        # [overflowed, thin, use of layer 1, ...]: every rank the same length, whatever its stage
+        flags = torch.zeros(2 + layers, dtype=torch.float32, device=device or group_device())
         for manager, before in zip(managers, overflows_before, strict=True):
             if manager.overflows is not None:
                 new = manager.overflows if before is None else manager.overflows - before
-                flags[0] = torch.maximum(flags[0], (new.to(flags.device) > 0).to(torch.int32))
+                flags[0] = torch.maximum(flags[0], (new.to(flags.device) > 0).to(flags.dtype))
             for used, threshold in (
                 (manager.rows_used, manager.headroom_threshold()),
                 (manager.expert_rows_used, manager.budget_headroom_threshold()),
             ):
                 if used is not None and threshold is not None:
-                    thin = (used.to(flags.device) > threshold).to(torch.int32)
+                    thin = (used.to(flags.device) > threshold).to(flags.dtype)
                     flags[1] = torch.maximum(flags[1], thin)
+            if manager.rows_used is not None and manager.capacity and manager.layer_number is not None:
+                flags[1 + manager.layer_number] = manager.rows_used.to(flags.device, flags.dtype) / manager.capacity
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        overflowed, thin = flags.tolist()
-        return bool(overflowed), bool(thin)
+        overflowed, thin = flags[:2].tolist()
+        return bool(overflowed), bool(thin), flags[2:]
 
     def __getattr__(self, name: str) -> Any:  # what Megatron reads off the function it wrapped
         if name == "forward_backward_func":  # not set yet (a copy being built): no recursion
@@ -358,7 +363,8 @@ class OverflowRerun:
             manager.reset_rows_used()
         try:
             result = step(**kwargs)
-            overflowed, thin = self._check(managers, overflows_before)
+            overflowed, thin, uses = self._check(managers, overflows_before)
+            _record_largest_use(managers, uses, kwargs["num_microbatches"])
             if not overflowed:
                 if thin:  # grow before an overflow: the layers whose headroom is half used
                     used = [m for m in managers if m.rows_used is not None]
@@ -403,6 +409,22 @@ class OverflowRerun:
         finally:
             for manager in managers:
                 manager.record_overflow, manager.force_blocking = False, False
+
+
+def _numbered_layers(managers: list[HybridEPCapacityManager]) -> int:
+    """The model's transformer layers (with multi-token prediction's), as every rank counts them."""
+    configs = [m.config for m in managers]
+    if not configs:
+        return 0
+    return configs[0].num_layers + (getattr(configs[0], "mtp_num_layers", None) or 0)
+
+
+def _record_largest_use(managers: list[HybridEPCapacityManager], uses: torch.Tensor, num_microbatches: int) -> None:
+    """Each of this rank's layers records the step's largest rows / capacity on any rank (`uses`, on
+    the device: no read; its pipeline stage's layers only: Megatron's report sums the stages')."""
+    for manager in managers:
+        if manager.capacity and manager.layer_number is not None and manager.layer_number <= uses.numel():
+            manager.record_capacity_use_max(uses[manager.layer_number - 1], num_microbatches)
 
 
 def _check_rerun_was_eager(managers: list[HybridEPCapacityManager], blocking_before: list[int]) -> None:

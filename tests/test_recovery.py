@@ -178,7 +178,7 @@ def thin_headroom_grows_the_capacity_before_an_overflow(rank, world):
 def capacity_use_goes_to_megatrons_moe_metrics(rank, world):
     from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 
-    from megatron_ext.dispatcher import CAPACITY_USE_METRIC
+    from megatron_ext.dispatcher import CAPACITY_USE_MAX_METRIC, CAPACITY_USE_METRIC
     from megatron_ext.recovery import OverflowRerun
 
     layer, _, manager = _layers(world)
@@ -192,6 +192,13 @@ def capacity_use_goes_to_megatrons_moe_metrics(rank, world):
     recorded = tracker.metrics[CAPACITY_USE_METRIC].values
     expected = manager.rows_used.float() / manager.capacity  # the step's one dispatch
     assert recorded.shape == (1,) and torch.equal(recorded[0], expected), (recorded, expected)
+    # The largest use on any rank, once per step (times its micro-batches: Megatron's report divides)
+    import torch.distributed as dist
+
+    uses = [None] * world
+    dist.all_gather_object(uses, float(expected))
+    largest = tracker.metrics[CAPACITY_USE_MAX_METRIC].values
+    assert largest.shape == (1,) and float(largest[0]) == max(uses) * len(batches[1:]), (largest, uses)
     tracker.clear()
 
 
@@ -686,7 +693,7 @@ def test_without_the_rerun_policy_the_step_passes_through(config):
 @pytest.mark.parametrize("on", [True, False])
 def test_the_moe_metrics_report_names_capacity_use_in_capacity_mode(on, monkeypatch):
     from megatron_ext import recovery
-    from megatron_ext.dispatcher import CAPACITY_USE_METRIC
+    from megatron_ext.dispatcher import CAPACITY_USE_MAX_METRIC, CAPACITY_USE_METRIC
     from megatron_ext.patches import _moe_metrics_report
 
     seen = []
@@ -694,5 +701,6 @@ def test_the_moe_metrics_report_names_capacity_use_in_capacity_mode(on, monkeypa
     monkeypatch.setattr(recovery, "_capacity_metrics", on)
     report(None, track_names=["load_balancing_loss"], iteration=3)
     report(None, track_names=None)  # None: Megatron reports every metric, ours among them
-    expected = ["load_balancing_loss", CAPACITY_USE_METRIC] if on else ["load_balancing_loss"]
+    ours = [CAPACITY_USE_METRIC, CAPACITY_USE_MAX_METRIC]
+    expected = ["load_balancing_loss", *ours] if on else ["load_balancing_loss"]
     assert seen == [expected, None]

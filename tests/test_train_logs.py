@@ -10,7 +10,8 @@ HEADER = "  global_batch_size ....... 2\n  seq_length .............. 512\n  worl
 def _log(rows):
     return HEADER + "".join(
         f" [t] iteration {i:>8}/     300 | elapsed time per iteration (ms): {ms} | lm loss: {loss} | "
-        f"load_balancing_loss: 1.1E+00 | grad norm: {norm} | hybridep_capacity_use: 0.667 |\n"
+        f"load_balancing_loss: 1.1E+00 | grad norm: {norm} | hybridep_capacity_use: 0.667 | "
+        f"hybridep_capacity_use_max: 0.{700 + i % 2} |\n"
         for i, ms, loss, norm in rows
     )
 
@@ -24,8 +25,9 @@ def test_logs_are_compared_with_the_first_at_every_iteration():
     }
     lines = train_logs.table(logs).splitlines()
     # median of iterations 11-14: 22, 20, 21, 22 ms -> 21.5; 1024 tokens per iteration on 1 GPU
-    assert lines[2] == "| blocking | 14 | reference | 21.5 | 47,628 | 0.667 | 0 | 0 |", lines[2]
-    assert lines[3] == "| graphed | 14 | identical | 5.0 | 204,800 | 0.667 | 0 | 0 |", lines[3]
+    # the largest rank's use: 0.700 and 0.701 in turn over 14 iterations -> 0.7005
+    assert lines[2] == "| blocking | 14 | reference | 21.5 | 47,628 | 0.667 | 0.700 | 0 | 0 |", lines[2]
+    assert lines[3] == "| graphed | 14 | identical | 5.0 | 204,800 | 0.667 | 0.700 | 0 | 0 |", lines[3]
     assert lines[4].startswith("| drifted | 14 | differs: iteration 12: lm loss 1.012E+01 against 9.9E+00 |"), lines[4]
 
 
@@ -80,4 +82,4 @@ def test_reruns_and_capacity_growths_are_counted_once_each():
     assert train_logs.reruns_and_growths("") == (0, 0)
     rows = [(i, 20.0, "1.0E+01", "4.0") for i in range(1, 4)]
     lines = train_logs.table({"a": _log(rows), "b": _log(rows) + RERUN_AND_GROWTHS}).splitlines()
-    assert lines[3].endswith("| 0.667 | 2 | 2 |"), lines[3]
+    assert lines[3].endswith("| 0.667 | 0.701 | 2 | 2 |"), lines[3]

@@ -112,10 +112,10 @@ def _moe_metrics_report(original: Callable) -> Callable:
         from megatron_ext.recovery import capacity_metrics_on
 
         if capacity_metrics_on() and track_names is not None:
-            from megatron_ext.dispatcher import CAPACITY_USE_METRIC
+            from megatron_ext.dispatcher import CAPACITY_USE_MAX_METRIC, CAPACITY_USE_METRIC
 
             names = [track_names] if isinstance(track_names, str) else list(track_names)
-            track_names = names if CAPACITY_USE_METRIC in names else [*names, CAPACITY_USE_METRIC]
+            track_names = names + [m for m in (CAPACITY_USE_METRIC, CAPACITY_USE_MAX_METRIC) if m not in names]
         return original(self, *args, track_names=track_names, **kwargs)
 
     return report

@@ -5,7 +5,7 @@
 Prints a markdown table: per log, the iterations logged, whether the lm loss, load-balancing loss
 and grad norm equal the first log's at every iteration (as printed), else the first difference,
 the median time per iteration after the first 10, tokens/s/GPU from Megatron's argument listing,
-the mean of megatron-ext's capacity-use metric, and the steps re-run after an overflow and the
+the means of megatron-ext's capacity-use metrics (over ranks, and the largest rank's), and the steps re-run after an overflow and the
 capacity growths megatron-ext logged. `examples/compare_modes.py` (blocking against
 capacity mode) reads its logs with the same functions.
 """
@@ -20,6 +20,7 @@ from pathlib import Path
 
 COMPARED = ("lm loss", "load_balancing_loss", "grad norm")  # as printed by Megatron's training log
 CAPACITY_USE = "hybridep_capacity_use"
+CAPACITY_USE_MAX = "hybridep_capacity_use_max"
 SKIP_ITERS = 10
 ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|")
 FIELD = re.compile(r"\|\s*([^|:]+?):\s*([^|]+?)\s*(?=\|)")
@@ -88,21 +89,23 @@ def table(logs: dict[str, str]) -> str:
     reference_name, reference = next(iter(parsed.items()))
     lines = [
         f"| run | iterations | {', '.join(COMPARED)} against {reference_name} | ms/iteration (median after "
-        f"{SKIP_ITERS}) | tokens/s/GPU | {CAPACITY_USE} (mean) | re-runs | capacity growths |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        f"{SKIP_ITERS}) | tokens/s/GPU | {CAPACITY_USE} (mean) | {CAPACITY_USE_MAX} (mean) | re-runs "
+        "| capacity growths |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for name, iterations in parsed.items():
         times = step_ms(iterations, SKIP_ITERS)
         ms = statistics.median(times) if times else None
         shape = tokens_per_step_and_gpus(logs[name])
         rate = f"{shape[0] / (ms / 1e3) / shape[1]:,.0f}" if ms and shape else "-"
-        use = [float(v[CAPACITY_USE]) for v in iterations.values() if CAPACITY_USE in v]
+        uses = [[float(v[key]) for v in iterations.values() if key in v] for key in (CAPACITY_USE, CAPACITY_USE_MAX)]
         diff = first_difference(reference, iterations)
         same = "reference" if name == reference_name else ("identical" if diff is None else f"differs: {diff}")
         reruns, growths = reruns_and_growths(logs[name])
         lines.append(
             f"| {name} | {len(iterations)} | {same} | {'-' if ms is None else f'{ms:.1f}'} | {rate} "
-            f"| {'-' if not use else f'{statistics.mean(use):.3f}'} | {reruns} | {growths} |"
+            + "".join(f"| {f'{statistics.mean(use):.3f}' if use else '-'} " for use in uses)
+            + f"| {reruns} | {growths} |"
         )
     return "\n".join(lines)
 
