@@ -5,9 +5,10 @@
 Prints a markdown table: per log, the iterations logged, whether the lm loss, load-balancing loss
 and grad norm equal the first log's at every iteration (as printed), else the first difference,
 the median time per iteration after the first 10, tokens/s/GPU from Megatron's argument listing,
-the means of megatron-ext's capacity-use metrics (over ranks, and the largest rank's), and the steps re-run after an overflow and the
-capacity growths megatron-ext logged. `examples/compare_modes.py` (blocking against
-capacity mode) reads its logs with the same functions.
+the means of megatron-ext's capacity-use metrics (over ranks, and the largest rank's), and the
+steps re-run after an overflow and the capacity growths megatron-ext logged.
+`examples/compare_modes.py` (blocking against capacity mode) reads its logs with the same
+functions.
 """
 
 from __future__ import annotations
