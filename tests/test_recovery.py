@@ -350,7 +350,7 @@ def capacity_use_follows_a_layer_numbered_after_it_was_built(rank, world):
     from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 
     from megatron_ext.bench.stack import experts_spec
-    from megatron_ext.dispatcher import CAPACITY_USE_METRIC
+    from megatron_ext.dispatcher import CAPACITY_USE_MAX_METRIC, CAPACITY_USE_METRIC
     from megatron_ext.recovery import OverflowRerun
 
     config = make_config(world, **FLEX, num_layers=4, moe_hybridep_capacity_factor=1.5)
@@ -365,11 +365,15 @@ def capacity_use_follows_a_layer_numbered_after_it_was_built(rank, world):
     batches = step_inputs(rank, 2, 32, HIDDEN, seed=15)
     _step(layer, batches[:1], runner)
     tracker = get_moe_metrics_tracker()
-    tracker.metrics.pop(CAPACITY_USE_METRIC, None)  # made by other checks, for a model of one layer
+    for metric in (CAPACITY_USE_METRIC, CAPACITY_USE_MAX_METRIC):
+        tracker.metrics.pop(metric, None)  # made by other checks, for a model of one layer
     _step(layer, batches[1:], runner)
     recorded = tracker.metrics.pop(CAPACITY_USE_METRIC).values
     assert recorded.shape == (4,) and float(recorded[2]) > 0 and float(recorded.sum()) == float(recorded[2])
     assert torch.equal(recorded[2], manager.rows_used.float() / manager.capacity)
+    largest = tracker.metrics.pop(CAPACITY_USE_MAX_METRIC).values  # in the same row
+    assert largest.shape == (4,) and float(largest[2]) >= float(recorded[2])
+    assert float(largest.sum()) == float(largest[2])
 
 
 class _StandInFullGraph:
