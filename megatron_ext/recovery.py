@@ -364,7 +364,8 @@ class OverflowRerun:
         try:
             result = step(**kwargs)
             overflowed, thin, uses = self._check(managers, overflows_before)
-            _record_largest_use(managers, uses, kwargs["num_microbatches"])
+            calibrated = [m for m, before in zip(managers, overflows_before, strict=True) if before is not None]
+            _record_largest_use(calibrated, uses, kwargs["num_microbatches"])
             if not overflowed:
                 if thin:  # grow before an overflow: the layers whose headroom is half used
                     used = [m for m in managers if m.rows_used is not None]
@@ -420,8 +421,9 @@ def _numbered_layers(managers: list[HybridEPCapacityManager]) -> int:
 
 
 def _record_largest_use(managers: list[HybridEPCapacityManager], uses: torch.Tensor, num_microbatches: int) -> None:
-    """Each of this rank's layers records the step's largest rows / capacity on any rank (`uses`, on
-    the device: no read; its pipeline stage's layers only: Megatron's report sums the stages')."""
+    """Each of this rank's layers calibrated before the step records the step's largest rows /
+    capacity on any rank (`uses`, on the device: no read; its pipeline stage's layers only:
+    Megatron's report sums the stages')."""
     for manager in managers:
         if manager.capacity and manager.layer_number is not None and manager.layer_number <= uses.numel():
             manager.record_capacity_use_max(uses[manager.layer_number - 1], num_microbatches)
