@@ -291,16 +291,17 @@ class OverflowRerun:
         self._scaling: Optional[DelayedScalingState] = None
 
     @staticmethod
-    def _check(managers: list[HybridEPCapacityManager], overflows_before: list) -> tuple[bool, bool, torch.Tensor]:
+    def _check(
+        managers: list[HybridEPCapacityManager], overflows_before: list, layers: int
+    ) -> tuple[bool, bool, torch.Tensor]:
         """(any rank's layer overflowed since `overflows_before` (copies of the counts, None for a
-        layer not yet calibrated), any rank's layer used more than half its headroom, each layer's
-        largest rows / capacity on any rank, on the device, by layer number - 1): one all-reduce over
-        every rank and the step's one host read."""
+        layer not yet calibrated), any rank's layer used more than half its headroom, each of the
+        model's `layers` layers' largest rows / capacity on any rank, on the device, by layer number
+        - 1): one all-reduce over every rank and the step's one host read."""
         # Where the counters are (a group's backend may take them there, as NCCL and gloo take CUDA
         # tensors): copying each to another device first would read the GPU once per layer.
         device = next((m.overflows.device for m in managers if m.overflows is not None), None)
-        layers = _numbered_layers(managers)
-        # [overflowed, thin, use of layer 1, ...]: every rank the same length, whatever its stage
+        # [overflowed, thin, use of layer 1, ...]: the same length on every rank, whatever its stage
         flags = torch.zeros(2 + layers, dtype=torch.float32, device=device or group_device())
         for manager, before in zip(managers, overflows_before, strict=True):
             if manager.overflows is not None:
@@ -363,7 +364,7 @@ class OverflowRerun:
             manager.reset_rows_used()
         try:
             result = step(**kwargs)
-            overflowed, thin, uses = self._check(managers, overflows_before)
+            overflowed, thin, uses = self._check(managers, overflows_before, _numbered_layers(_config(model)))
             calibrated = [m for m, before in zip(managers, overflows_before, strict=True) if before is not None]
             _record_largest_use(calibrated, uses, kwargs["num_microbatches"])
             if not overflowed:
@@ -412,12 +413,10 @@ class OverflowRerun:
                 manager.record_overflow, manager.force_blocking = False, False
 
 
-def _numbered_layers(managers: list[HybridEPCapacityManager]) -> int:
-    """The model's transformer layers (with multi-token prediction's), as every rank counts them."""
-    configs = [m.config for m in managers]
-    if not configs:
-        return 0
-    return configs[0].num_layers + (getattr(configs[0], "mtp_num_layers", None) or 0)
+def _numbered_layers(config: Any) -> int:
+    """The model's transformer layers (with multi-token prediction's): the same on every rank, a
+    pipeline stage with no MoE layer too."""
+    return config.num_layers + (getattr(config, "mtp_num_layers", None) or 0)
 
 
 def _record_largest_use(managers: list[HybridEPCapacityManager], uses: torch.Tensor, num_microbatches: int) -> None:
