@@ -17,6 +17,11 @@ ranks), the overflow re-run policy's of `tests/test_recovery.py` and the static 
 at W ranks in a process of its own), the deep_ep stand-in, and the host-read count of a blocking
 dispatch (CUDA's sync-debug mode reports the same read again on a GPU). On ranks sharing a GPU,
 the checks that capture CUDA graphs are left out too: a gloo collective cannot be captured.
+
+Then, at 2 ranks on one GPU under a private MPS daemon (their kernels wait for each other's):
+deep_ep's HybridEP (blocking, capacity mode, and capacity mode's CUDA graph, whose gather and
+dispatch run in deep_ep's kernels) and the exact transport (NVSHMEM) against the torch blocking
+dispatch; and the sync guard with a gloo collective's staging.
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ from tests.distributed import assert_ok, merged_results
 pytestmark = pytest.mark.gpu
 
 ROOT = Path(__file__).resolve().parent.parent
-# A suite's spawn at 8 ranks on one GPU took about a minute on the H200; a hang fails well before pytest's patience.
+# The whole module at 4 ranks on one H200 took 3 minutes (2026-12-03); a hang fails after this.
 DEADLINE_S = float(os.environ.get("MEGATRON_EXT_TEST_CHILD_TIMEOUT", "600"))
 
 
