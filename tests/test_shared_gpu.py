@@ -60,11 +60,6 @@ def test_run_on_ranks_refuses_more_gpus_than_are_visible(monkeypatch):
         run_on_ranks(print, 2, where=ONE_PER_GPU)
 
 
-def test_the_launcher_maps_local_ranks_onto_shared_gpus():
-    assert [shared_gpu.shared_local_rank(r, 4) for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
-    assert [shared_gpu.shared_local_rank(r, 1) for r in range(3)] == [0, 1, 2]
-
-
 def _launch(tmp_path, *argv, local_rank="3"):
     script = tmp_path / "train.py"
     script.write_text(

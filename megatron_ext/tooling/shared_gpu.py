@@ -37,12 +37,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
+from megatron_ext.tooling.ranks import Placement
+
 BACKEND_FLAG = "--distributed-backend"
-
-
-def shared_local_rank(local_rank: int, ranks_per_gpu: int) -> int:
-    """The GPU that the rank with this LOCAL_RANK shares: ranks fill GPUs in order."""
-    return local_rank // ranks_per_gpu
 
 
 def _backend_of(argv: list[str]) -> Optional[str]:
@@ -211,7 +208,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     if "LOCAL_RANK" not in os.environ:
         refuse("run it under torchrun (LOCAL_RANK is not set)")
     local_rank = int(os.environ["LOCAL_RANK"])
-    os.environ["LOCAL_RANK"] = str(shared_local_rank(local_rank, args.ranks_per_gpu))
+    os.environ["LOCAL_RANK"] = str(Placement("cuda", args.ranks_per_gpu).gpu(local_rank))  # the GPU it shares
     install()
     sys.argv = [args.script, *args.script_args]
     runpy.run_path(args.script, run_name="__main__")
