@@ -111,6 +111,12 @@ def outcome_test(checks):
     return test
 
 
+def timed_out_output(stopped) -> str:
+    """What a child process that `subprocess.run` stopped at its timeout had printed, stdout then stderr."""
+    parts = (stopped.stdout, stopped.stderr)
+    return "".join(part.decode() if isinstance(part, bytes) else part or "" for part in parts)
+
+
 def assert_ok(results, name):
     assert name in results, f"check {name} never ran"
     assert results[name] == "ok", results[name]

@@ -173,10 +173,9 @@ def overflow_on_the_device(overrides: dict, tokens: int, hidden: int, capacity: 
             cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
         )
     except subprocess.TimeoutExpired as stopped:  # not even the dump ended it
-        output = "".join(
-            part.decode() if isinstance(part, bytes) else part or "" for part in (stopped.stdout, stopped.stderr)
-        )
-        raise AssertionError(f"{stuck}:\n{output[-6000:]}") from None
+        from tests.distributed import timed_out_output
+
+        raise AssertionError(f"{stuck}:\n{timed_out_output(stopped)[-6000:]}") from None
     output = result.stdout + result.stderr
     assert "Timeout (" not in output, f"{stuck}:\n{output[-6000:]}"  # faulthandler's dump ended it
     print("\n".join(line for line in output.splitlines() if "megatron-ext" in line or "Assertion" in line))

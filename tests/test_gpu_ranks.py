@@ -40,7 +40,7 @@ from tests import test_moe_layer as moe
 from tests import test_recovery as recovery
 from tests import test_static_splits as static_splits
 from tests import test_torch_buffer as buffer
-from tests.distributed import assert_ok, merged_results
+from tests.distributed import assert_ok, merged_results, timed_out_output
 
 pytestmark = pytest.mark.gpu
 
@@ -136,7 +136,7 @@ def _run_child(args: list[str], what: str) -> subprocess.CompletedProcess:
             cwd=ROOT,
         )
     except subprocess.TimeoutExpired as stopped:
-        output = "".join(p.decode() if isinstance(p, bytes) else p or "" for p in (stopped.stdout, stopped.stderr))
+        output = timed_out_output(stopped)
         raise AssertionError(f"{what}: not ended after {DEADLINE_S:.0f} s (a hang?):\n{output[-6000:]}") from None
 
 
