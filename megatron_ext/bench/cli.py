@@ -25,6 +25,7 @@ import os
 import sys
 import tempfile
 import textwrap
+import time
 import traceback
 import warnings
 
@@ -297,12 +298,18 @@ def _rank_main(rank: int, world_size: int, args, failure_dir: str) -> bool:
         model_parallel_cuda_manual_seed(args.seed)
     applied = megatron_ext.patches.apply(training=False)  # no training loop here
     sizes = sizes_of(args)
-    bar = _progress(rank == 0 and not args.no_progress, sizes.steps_per_mode * len(args.selected) * sizes.repeat)
+    show = rank == 0 and not args.no_progress
+    # On a terminal a progress bar; into a log one line per mode, so a run stopped from outside
+    # still says which mode it had reached.
+    bar = _progress(show and sys.stderr.isatty(), sizes.steps_per_mode * len(args.selected) * sizes.repeat)
     current = {"mode": None}
+    started = time.monotonic()
 
     def starting(mode_name: str) -> None:
         current["mode"] = mode_name
         bar.set_description(mode_name)
+        if show and not sys.stderr.isatty():
+            print(f"megatron-ext-bench: {mode_name} (at {time.monotonic() - started:.0f} s)", file=sys.stderr, flush=True)
 
     try:
         results, facts = run_modes(sizes, args.selected, device, progress=lambda: bar.update(1), starting=starting)
