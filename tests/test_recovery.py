@@ -240,10 +240,10 @@ def fail_policy_stops_on_the_device(rank, world):
 
 
 def routing_shift_mid_training_is_survived_bitwise(rank, world):
-    """Fault injection: from step 3 on, every token is pushed towards experts 0 and 1 (both on the
-    first rank), as a router drifting during training would. The run goes on; every step it keeps
-    equals blocking's bitwise; the shifted step overflows on more than one rank only (one rank holds
-    every row then), is re-run once, and its layer's capacity grows; the capacity-use metric shows
+    """Fault injection: from step 3 on, every token is pushed towards experts 0 and 1 (on the first
+    rank, or the first two), as a router drifting during training would. The run goes on; every step
+    it keeps equals blocking's bitwise; the shifted step overflows on the first rank (and on any
+    other whose rows outgrew its capacity), is re-run once, and its layer's capacity grows; the capacity-use metric shows
     the overflow (above 1) and then the room again (at most 1); each step reads the host once,
     except the re-run step and the growth after it."""
     from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
@@ -285,7 +285,10 @@ def routing_shift_mid_training_is_survived_bitwise(rank, world):
         assert use[2] > 1.0, use
     assert reads[1] == 1 and reads[3] == 1, reads  # the step's one read, none per layer
     assert manager.stats.calibrations == 2  # the calibration and the growth, on every rank alike
-    assert (int(manager.overflows) >= 1) == (rank == 0), int(manager.overflows)
+    # Which ranks overflow depends on where the pushed experts live (at 8 ranks one expert each, and
+    # a rank whose expert the push also favours can outgrow its rows too): a rank counts an overflow
+    # exactly when its rows outgrew its capacity.
+    assert (int(manager.overflows) >= 1) == (use[2] > 1.0), (int(manager.overflows), use)
 
 
 def counters_are_written_in_place_and_nothing_keeps_autograd_history(rank, world):
