@@ -52,6 +52,7 @@ from megatron_ext import budget as budgets
 from megatron_ext.capacity import budget_from_rows, capacity_from_rows, equal_count_padding, half_headroom
 from megatron_ext.hybridep import autograd, overflow_flag
 from megatron_ext.hybridep.buffers import get_buffer
+from megatron_ext.hybridep.deep_ep_buffer import DeepEPTuning
 from megatron_ext.hybridep.protocol import Handle, HybridEPBuffer
 from megatron_ext.logs import once_per_group
 from megatron_ext.options import (
@@ -193,6 +194,7 @@ class HybridEPCapacityManager:
         self.config = config
         self.options = options
         self.implementation = implementation
+        self.deep_ep_tuning = DeepEPTuning.from_config(config)
         self._default_name = f"MoE layer #{next(_layer_counter)}"
         self._layer: Optional[weakref.ref] = None  # the MoELayer, bound by the MoELayer patch
         self.pad_multiple = get_align_size_for_quantization(config) if (config.fp8 or config.fp4) else None
@@ -343,6 +345,7 @@ class HybridEPCapacityManager:
             num_local_experts=self.num_local_experts,
             reuse_allgather_buffer=self.options.reuse_allgather_buffer,
             transport=self.options.transport,
+            deep_ep_tuning=self.deep_ep_tuning,
         )
         self.last_buffer = buffer
         capacity = self._dispatch_capacity()
@@ -650,8 +653,8 @@ def layer_implementation(config: Any, options: HybridEPOptions, group: Optional[
     return agreed_implementation(options, config.hidden_size, group if hybridep else None)
 
 
-# Megatron's deep_ep tuning flags, as it passes them to its own HybridEP buffer and dispatch, and
-# their defaults; megatron-ext's manager builds deep_ep's buffer with deep_ep's defaults.
+# Megatron's deep_ep tuning flags and their defaults: megatron-ext passes them to deep_ep's buffer
+# (`DeepEPTuning`); the torch implementation's kernels have no equivalent.
 DEEP_EP_TUNING = (
     ("moe_flex_dispatcher_num_sms", None),
     ("moe_hybridep_num_blocks_permute", None),
@@ -660,7 +663,7 @@ DEEP_EP_TUNING = (
 )
 
 
-def unapplied_deep_ep_tuning(config: Any) -> list[str]:
+def deep_ep_tuning_set(config: Any) -> list[str]:
     """The deep_ep tuning flags set away from Megatron's defaults on `config`, as flags."""
     return [
         "--" + name.replace("_", "-") for name, default in DEEP_EP_TUNING if getattr(config, name, default) != default
@@ -705,13 +708,13 @@ class HybridEPTokenDispatcher(MoEFlexTokenDispatcher):
             implementation=implementation,
         )
         self.cudagraph_attrs = ["_comm_manager.token_probs", "_comm_manager.routing_map"]
-        ignored = unapplied_deep_ep_tuning(config)
-        if ignored and implementation == "deep_ep":
+        tuning = deep_ep_tuning_set(config)
+        if tuning and implementation == "torch":
             logger.log(
-                once_per_group(logging.WARNING, self.tp_ep_group),
-                "megatron-ext: %s have no effect with megatron-ext's dispatch (capacity mode or the torch "
-                "implementation): it builds deep_ep's HybridEPBuffer with deep_ep's defaults.",
-                " and ".join(ignored),
+                once_per_group(logging.INFO, self.tp_ep_group),
+                "megatron-ext: %s tune deep_ep's kernels; the torch implementation's have no such setting, "
+                "so they have no effect here.",
+                " and ".join(tuning),
             )
 
     @property

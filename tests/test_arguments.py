@@ -494,15 +494,44 @@ def test_a_deep_ep_build_without_non_blocking_dispatch_is_not_used(patched, monk
     assert options.deep_ep_import_error() is None
 
 
-def test_deep_ep_tuning_flags_that_megatron_ext_does_not_apply_are_named_as_flags(patched, monkeypatch):
-    """megatron-ext's manager builds deep_ep's buffer with deep_ep's defaults: the dispatcher warns
-    with these names, which must be Megatron's real flags (the parse below takes them)."""
-    from megatron_ext.dispatcher import unapplied_deep_ep_tuning
+def test_deep_ep_tuning_flags_reach_deep_eps_constructor_as_megatron_passes_them(patched, monkeypatch):
+    """Megatron's tuning flags, parsed, become deep_ep's constructor keywords as Megatron-Core
+    0.19.2 maps them (one SM count for dispatch and combine; the preprocessing default 108 passed
+    as it is), and the torch implementation's note names the real flags."""
+    from megatron_ext.dispatcher import deep_ep_tuning_set
+    from megatron_ext.hybridep.deep_ep_buffer import DeepEPTuning
 
-    assert unapplied_deep_ep_tuning(parse(patched, monkeypatch)) == []
+    assert deep_ep_tuning_set(parse(patched, monkeypatch)) == []
+    assert DeepEPTuning.from_config(parse(patched, monkeypatch)).keywords() == {"num_sms_preprocessing_api": 108}
     tuning = ["--moe-flex-dispatcher-num-sms", "24", "--moe-hybridep-num-blocks-permute", "8"]
-    tuning += ["--moe-hybridep-num-blocks-unpermute", "8", "--moe-hybridep-num-sms-preprocessing", "64"]
-    assert unapplied_deep_ep_tuning(parse(patched, monkeypatch, *tuning)) == tuning[::2]
+    tuning += ["--moe-hybridep-num-blocks-unpermute", "6", "--moe-hybridep-num-sms-preprocessing", "64"]
+    config = parse(patched, monkeypatch, *tuning)
+    assert deep_ep_tuning_set(config) == tuning[::2]
+    assert DeepEPTuning.from_config(config).keywords() == {
+        "num_sms_dispatch_api": 24,
+        "num_sms_combine_api": 24,
+        "num_sms_preprocessing_api": 64,
+        "num_blocks_permute": 8,
+        "num_blocks_unpermute": 6,
+    }
+
+
+def test_a_deep_ep_build_without_a_tuning_keyword_is_refused_by_flag(monkeypatch):
+    """A deep_ep whose constructor lacks a set tuning keyword: the flag is named, not a TypeError."""
+    from megatron_ext.hybridep.deep_ep_buffer import DeepEPTuning, create_deep_ep_buffer
+    from megatron_ext.options import HybridEPConfigError
+
+    made = []
+
+    class NoBlocks:
+        def __init__(self, group, hidden_dim, max_num_of_tokens_per_rank, num_local_experts, num_sms_dispatch_api=None):
+            made.append(num_sms_dispatch_api)
+
+    monkeypatch.setitem(sys.modules, "deep_ep", types.SimpleNamespace(HybridEPBuffer=NoBlocks))
+    create_deep_ep_buffer(None, 256, 64, 2, reuse_allgather_buffer=False, tuning=DeepEPTuning(num_sms_dispatch_api=16))
+    assert made == [16]
+    with pytest.raises(HybridEPConfigError, match="--moe-hybridep-num-blocks-permute: this deep_ep build"):
+        create_deep_ep_buffer(None, 256, 64, 2, reuse_allgather_buffer=False, tuning=DeepEPTuning(num_blocks_permute=4))
 
 
 def test_patched_parse_args_refuses_unknown_implementation(patched, monkeypatch, capsys):

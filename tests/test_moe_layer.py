@@ -297,7 +297,11 @@ def deep_ep_buffer_through_the_same_path(rank, world):
         assert _manager(moe_layer(make_config(world, **FLEX))).implementation == "torch"
         capacity = dict(**FLEX, **wide, moe_hybridep_capacity_factor=1.5)
         ours = moe_layer(make_config(world, **capacity, moe_hybridep_implementation="torch"), experts="grouped")
-        deep_ep = moe_layer(make_config(world, **capacity, moe_hybridep_reuse_allgather_buffer=True), experts="grouped")
+        # Megatron's tuning flags reach deep_ep's constructor (the torch buffer ignores them).
+        tuned = dict(moe_flex_dispatcher_num_sms=24, moe_hybridep_num_blocks_permute=8, moe_hybridep_num_sms_preprocessing=64)
+        deep_ep = moe_layer(
+            make_config(world, **capacity, **tuned, moe_hybridep_reuse_allgather_buffer=True), experts="grouped"
+        )
         copy_weights(ours, deep_ep)
         inputs = step_inputs(rank, 3, 32, DEEP_EP_HIDDEN, seed=8)
         _assert_same(run_steps(ours, inputs), run_steps(deep_ep, inputs))
@@ -308,6 +312,9 @@ def deep_ep_buffer_through_the_same_path(rank, world):
     assert type(_manager(ours).last_buffer) is TorchHybridEPBuffer
     # one node, a 32 x 8-byte routing map per rank: deep_ep's persistent all-gather buffer serves
     assert made[-1]["enable_custom_allgather"] is True, made
+    tuning = {k: made[-1].get(k) for k in ("num_sms_dispatch_api", "num_sms_combine_api", "num_sms_preprocessing_api")}
+    assert tuning == dict(num_sms_dispatch_api=24, num_sms_combine_api=24, num_sms_preprocessing_api=64), made
+    assert made[-1].get("num_blocks_permute") == 8 and "num_blocks_unpermute" not in made[-1], made
 
 
 def tensor_and_expert_parallel(rank, world):

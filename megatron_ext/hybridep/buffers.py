@@ -8,9 +8,11 @@ a dispatch brings a wider hidden size or more tokens per rank than it was built 
 from __future__ import annotations
 
 import logging
+from typing import Optional
 
 import torch.distributed as dist
 
+from megatron_ext.hybridep.deep_ep_buffer import DeepEPTuning, create_deep_ep_buffer, map_alignment_reason
 from megatron_ext.hybridep.protocol import HybridEPBuffer
 from megatron_ext.hybridep.torch_buffer import TorchHybridEPBuffer
 from megatron_ext.logs import once_per_group
@@ -33,10 +35,12 @@ def get_buffer(
     num_local_experts: int,
     reuse_allgather_buffer: bool,
     transport: str = "auto",
+    deep_ep_tuning: Optional[DeepEPTuning] = None,
 ) -> HybridEPBuffer:
     """The shared buffer for these arguments (`implementation`: one of `BUFFER_IMPLEMENTATIONS`,
     'deep_ep' or 'torch', as `options.resolve_implementation` gives; `transport`: the torch
-    buffer's, see `megatron_ext.hybridep.exchange`).
+    buffer's, see `megatron_ext.hybridep.exchange`; `deep_ep_tuning`: deep_ep's SM and block
+    counts, which the torch buffer's kernels have no equivalent of).
 
     deep_ep's persistent all-gather buffer asserts, at every dispatch, that each rank's routing map
     is a multiple of 16 bytes. A buffer built for T tokens serves any smaller count, so the check
@@ -44,8 +48,6 @@ def get_buffer(
     by a buffer with deep_ep's plain all-gather, and the log says so once per count.
     """
     if implementation == "deep_ep" and reuse_allgather_buffer:
-        from megatron_ext.hybridep.deep_ep_buffer import map_alignment_reason
-
         reason = map_alignment_reason(num_tokens, num_local_experts * group.size())
         if reason is not None:
             if (group, num_tokens) not in _PLAIN_GATHER_LOGGED:
@@ -57,7 +59,8 @@ def get_buffer(
                     reason,
                 )
             reuse_allgather_buffer = False
-    key = (implementation, group, num_local_experts, reuse_allgather_buffer, transport)
+    tuning = (deep_ep_tuning or DeepEPTuning()) if implementation == "deep_ep" else None
+    key = (implementation, group, num_local_experts, reuse_allgather_buffer, transport, tuning)
     cached = _BUFFERS.get(key)
     if cached is not None and cached[1] == hidden_dim and cached[2] >= num_tokens:
         return cached[0]
@@ -72,10 +75,13 @@ def get_buffer(
             transport=transport,
         )
     elif implementation == "deep_ep":
-        from megatron_ext.hybridep.deep_ep_buffer import create_deep_ep_buffer
-
         buffer = create_deep_ep_buffer(
-            group, hidden_dim, num_tokens, num_local_experts, reuse_allgather_buffer=reuse_allgather_buffer
+            group,
+            hidden_dim,
+            num_tokens,
+            num_local_experts,
+            reuse_allgather_buffer=reuse_allgather_buffer,
+            tuning=tuning,
         )
     else:
         raise ValueError(

@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import logging
 import socket
-from typing import Any
+from dataclasses import asdict, dataclass
+from typing import Any, Optional
 
 import torch.distributed as dist
 
 from megatron_ext.hybridep.protocol import HybridEPBuffer
 from megatron_ext.logs import once_per_group
-from megatron_ext.options import accepts_keyword
+from megatron_ext.options import HybridEPConfigError, accepts_keyword
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +53,56 @@ def custom_allgather_reason(group: dist.ProcessGroup, num_tokens: int, num_exper
     return map_alignment_reason(num_tokens, num_experts)
 
 
+@dataclass(frozen=True)
+class DeepEPTuning:
+    """How many SMs and blocks deep_ep's HybridEP kernels take: Megatron's tuning flags, mapped onto
+    `deep_ep.HybridEPBuffer`'s constructor as Megatron-Core 0.19.2 maps them for its own buffer
+    (`init_hybrid_ep_buffer`): one SM count for dispatch and combine. None leaves deep_ep's default."""
+
+    num_sms_dispatch_api: Optional[int] = None
+    num_sms_combine_api: Optional[int] = None
+    num_sms_preprocessing_api: Optional[int] = None
+    num_blocks_permute: Optional[int] = None
+    num_blocks_unpermute: Optional[int] = None
+
+    # Each constructor keyword's flag, for messages.
+    FLAGS = {
+        "num_sms_dispatch_api": "--moe-flex-dispatcher-num-sms",
+        "num_sms_combine_api": "--moe-flex-dispatcher-num-sms",
+        "num_sms_preprocessing_api": "--moe-hybridep-num-sms-preprocessing",
+        "num_blocks_permute": "--moe-hybridep-num-blocks-permute",
+        "num_blocks_unpermute": "--moe-hybridep-num-blocks-unpermute",
+    }
+
+    @classmethod
+    def from_config(cls, config: Any) -> "DeepEPTuning":
+        sms = getattr(config, "moe_flex_dispatcher_num_sms", None)
+        return cls(
+            num_sms_dispatch_api=sms,
+            num_sms_combine_api=sms,
+            # Megatron's default for this flag is 108, which it passes to deep_ep as it is.
+            num_sms_preprocessing_api=getattr(config, "moe_hybridep_num_sms_preprocessing", None),
+            num_blocks_permute=getattr(config, "moe_hybridep_num_blocks_permute", None),
+            num_blocks_unpermute=getattr(config, "moe_hybridep_num_blocks_unpermute", None),
+        )
+
+    def keywords(self) -> dict[str, int]:
+        """The constructor keywords that are set."""
+        return {name: value for name, value in asdict(self).items() if value is not None}
+
+
+def _tuning_keywords(buffer_class: Any, tuning: DeepEPTuning) -> dict[str, int]:
+    """`tuning`'s keywords, refused by flag where this deep_ep build's constructor lacks one."""
+    keywords = tuning.keywords()
+    missing = sorted({DeepEPTuning.FLAGS[name] for name in keywords if not accepts_keyword(buffer_class, "__init__", name)})
+    if missing:
+        raise HybridEPConfigError(
+            f"{' and '.join(missing)}: this deep_ep build's HybridEPBuffer takes no such setting; "
+            "leave the flag unset or install a deep_ep build whose HybridEPBuffer takes it (hybrid-ep 1.2.1 does)."
+        )
+    return keywords
+
+
 def create_deep_ep_buffer(
     group: dist.ProcessGroup,
     hidden_dim: int,
@@ -59,10 +110,13 @@ def create_deep_ep_buffer(
     num_local_experts: int,
     *,
     reuse_allgather_buffer: bool,
+    tuning: DeepEPTuning = DeepEPTuning(),
 ) -> HybridEPBuffer:
-    """A `deep_ep.HybridEPBuffer` for `group`, with the persistent all-gather where asked and allowed."""
+    """A `deep_ep.HybridEPBuffer` for `group`, with the persistent all-gather where asked and
+    allowed, and the SM and block counts of `tuning`."""
     from deep_ep import HybridEPBuffer
 
+    tuning_keywords = _tuning_keywords(HybridEPBuffer, tuning)
     custom_allgather = False
     if reuse_allgather_buffer:
         reason = custom_allgather_reason(group, num_tokens, num_local_experts * group.size())
@@ -87,5 +141,6 @@ def create_deep_ep_buffer(
         hidden_dim=hidden_dim,
         max_num_of_tokens_per_rank=num_tokens,
         num_local_experts=num_local_experts,
+        **tuning_keywords,
         **extra,
     )
