@@ -75,7 +75,7 @@ class DeepEPTuning:
     }
 
     @classmethod
-    def from_config(cls, config: Any) -> "DeepEPTuning":
+    def from_config(cls, config: Any) -> DeepEPTuning:
         sms = getattr(config, "moe_flex_dispatcher_num_sms", None)
         return cls(
             num_sms_dispatch_api=sms,
@@ -94,7 +94,9 @@ class DeepEPTuning:
 def _tuning_keywords(buffer_class: Any, tuning: DeepEPTuning) -> dict[str, int]:
     """`tuning`'s keywords, refused by flag where this deep_ep build's constructor lacks one."""
     keywords = tuning.keywords()
-    missing = sorted({DeepEPTuning.FLAGS[name] for name in keywords if not accepts_keyword(buffer_class, "__init__", name)})
+    missing = sorted(
+        {DeepEPTuning.FLAGS[name] for name in keywords if not accepts_keyword(buffer_class, "__init__", name)}
+    )
     if missing:
         raise HybridEPConfigError(
             f"{' and '.join(missing)}: this deep_ep build's HybridEPBuffer takes no such setting; "
