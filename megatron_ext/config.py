@@ -80,6 +80,14 @@ class HybridEPTransformerConfig(TransformerConfig):
     over its budget is an overflow like a capacity's (re-run and growth, or the device assert).
     Costs one copy of the rows each way and the memory of every expert's budget."""
 
+    moe_hybridep_compact_routing: bool = False
+    """[megatron-ext] Gather each dispatch's routing maps as top-k expert indices (int16 below
+    32768 experts) instead of the dense tokens x experts Boolean map: experts / (2 x top-k) times
+    fewer bytes (16x at 256 experts, top-8), expanded back on every rank into the same map, so
+    results are bitwise unchanged. A token routed to more than --moe-router-topk experts stops the
+    run with a device assert. The torch implementation only (auto picks it; deep_ep's dispatch
+    gathers the dense map whatever it is given)."""
+
     def __post_init__(self):
         # Megatron refuses `--cuda-graph-modules moe` for every MoE but drop-and-pad ones (a dropless
         # layer reads its counts on the host). Capacity mode with equal token counts reads none after

@@ -61,6 +61,7 @@ from megatron_ext.options import (
     HybridEPOptions,
     deep_ep_import_error,
     flag,
+    requested_implementation,
     resolve_implementation,
     validate,
 )
@@ -194,6 +195,11 @@ class HybridEPCapacityManager:
         self.config = config
         self.options = options
         self.implementation = implementation
+        # --moe-hybridep-compact-routing: the most experts a row of the dispatch's map holds (Megatron
+        # repeats each token's top-k over the TP ranks of the TP x EP group), or None.
+        self.compact_routing_topk = (
+            config.moe_router_topk * (num_experts // config.num_moe_experts) if options.compact_routing else None
+        )
         self.deep_ep_tuning = DeepEPTuning.from_config(config)
         self._default_name = f"MoE layer #{next(_layer_counter)}"
         self._layer: Optional[weakref.ref] = None  # the MoELayer, bound by the MoELayer patch
@@ -346,6 +352,7 @@ class HybridEPCapacityManager:
             reuse_allgather_buffer=self.options.reuse_allgather_buffer,
             transport=self.options.transport,
             deep_ep_tuning=self.deep_ep_tuning,
+            compact_routing_topk=self.compact_routing_topk,
         )
         self.last_buffer = buffer
         capacity = self._dispatch_capacity()
@@ -622,8 +629,9 @@ def agreed_implementation(options: HybridEPOptions, hidden_size: Optional[int], 
     deep_ep does not import (a node without it, a driver error at import) would build the torch
     buffer while the others build deep_ep's, and the two would wait in different collectives:
     every rank raises instead, naming the ranks and why."""
-    implementation = resolve_implementation(options.implementation, hidden_size)
-    if options.implementation != AUTO or group is None or dist.get_world_size(group) == 1:
+    requested = requested_implementation(options)
+    implementation = resolve_implementation(requested, hidden_size)
+    if requested != AUTO or group is None or dist.get_world_size(group) == 1:
         return implementation
     key = (group, hidden_size)
     if key in _AGREED:

@@ -52,6 +52,7 @@ class HybridEPOptions:
     overflow_policy: OverflowPolicy = "rerun"
     transport: Transport = AUTO
     static_expert_splits: bool = False
+    compact_routing: bool = False
 
     @classmethod
     def from_config(cls, config: Any) -> HybridEPOptions:
@@ -189,6 +190,26 @@ def resolve_implementation(requested: str, hidden_size: Optional[int] = None) ->
         _AUTO_FALLBACKS_LOGGED.add(reason)
         logger.warning(
             "megatron-ext: %s auto uses the torch implementation: %s.", flag(CONFIG_PREFIX + "implementation"), reason
+        )
+    return "torch"
+
+
+COMPACT_ROUTING_FLAG = flag(CONFIG_PREFIX + "compact_routing")
+
+
+def requested_implementation(options: HybridEPOptions) -> str:
+    """The implementation `options` ask for: `--moe-hybridep-implementation`, except that `auto`
+    with compact routing is torch (logged once): deep_ep 1.2.1's dispatch turns top-k indices into
+    the dense map before its own all-gather, so compact routing would save nothing there."""
+    if options.implementation != AUTO or not options.compact_routing:
+        return options.implementation
+    if COMPACT_ROUTING_FLAG not in _AUTO_FALLBACKS_LOGGED:
+        _AUTO_FALLBACKS_LOGGED.add(COMPACT_ROUTING_FLAG)
+        logger.info(
+            "megatron-ext: %s auto uses the torch implementation for %s (deep_ep's dispatch gathers the dense "
+            "routing map).",
+            flag(CONFIG_PREFIX + "implementation"),
+            COMPACT_ROUTING_FLAG,
         )
     return "torch"
 
@@ -557,6 +578,12 @@ def validate(config: Any) -> HybridEPOptions:
                 f"transport; deep_ep's kernels move their own bytes. Use {flag('moe_hybridep_implementation')} "
                 "torch, or drop the transport flag."
             )
+    if options.compact_routing and options.implementation == "deep_ep":
+        raise HybridEPConfigError(
+            f"{COMPACT_ROUTING_FLAG} with {flag('moe_hybridep_implementation')} deep_ep: deep_ep's dispatch turns "
+            "top-k indices into the dense routing map before its all-gather, so nothing would be saved. Use "
+            f"{flag('moe_hybridep_implementation')} torch (or auto, which picks it), or drop {COMPACT_ROUTING_FLAG}."
+        )
     if options.overflow_policy != "rerun" and options.capacity_factor is None:
         raise HybridEPConfigError(
             f"{flag('moe_hybridep_overflow_policy')} {options.overflow_policy} says what a capacity-mode "

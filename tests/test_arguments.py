@@ -42,6 +42,7 @@ ALL_FLAGS = [
     "fail",
     "--moe-hybridep-transport",
     "nvshmem",
+    "--moe-hybridep-compact-routing",
 ]
 ALL_VALUES = {
     "moe_hybridep_capacity_factor": 1.5,
@@ -51,6 +52,7 @@ ALL_VALUES = {
     "moe_hybridep_implementation": "torch",
     "moe_hybridep_overflow_policy": "fail",
     "moe_hybridep_transport": "nvshmem",
+    "moe_hybridep_compact_routing": True,
 }
 DEFAULTS = {
     "moe_hybridep_capacity_factor": None,
@@ -60,6 +62,7 @@ DEFAULTS = {
     "moe_hybridep_implementation": "auto",
     "moe_hybridep_overflow_policy": "rerun",
     "moe_hybridep_transport": "auto",
+    "moe_hybridep_compact_routing": False,
 }
 # A phrase of each field's docstring, which is its --help text.
 HELP_PHRASES = {
@@ -70,6 +73,7 @@ HELP_PHRASES = {
     "--moe-hybridep-implementation": "implementation on torch.distributed",
     "--moe-hybridep-overflow-policy": "run again with blocking dispatches",
     "--moe-hybridep-transport": "all_to_all_vdev",
+    "--moe-hybridep-compact-routing": "top-k expert indices",
 }
 TINY = dict(num_layers=1, hidden_size=16, num_attention_heads=1, num_moe_experts=4)
 HYBRIDEP = dict(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="hybridep")
@@ -184,6 +188,7 @@ def test_field_names():
         "moe_hybridep_overflow_policy",
         "moe_hybridep_transport",
         "moe_hybridep_static_expert_splits",
+        "moe_hybridep_compact_routing",
     )
     # the options the dispatcher reads are exactly these fields (options.py cannot import Megatron)
     from megatron_ext.options import CONFIG_PREFIX, OPTION_NAMES
@@ -341,6 +346,18 @@ def test_patched_help_lists_flags_and_docstrings(patched, monkeypatch, capsys):
             ],
             ["--moe-hybridep-transport nvshmem", "deep_ep's kernels move their own bytes", "implementation torch"],
         ),
+        (
+            ["--moe-hybridep-compact-routing", "--moe-hybridep-implementation", "deep_ep", "--hidden-size", "256"],
+            [
+                "--moe-hybridep-compact-routing with --moe-hybridep-implementation deep_ep",
+                "nothing would be saved",
+                "Use --moe-hybridep-implementation torch",
+            ],
+        ),
+        (
+            ["--moe-hybridep-compact-routing", "--moe-token-dispatcher-type", "alltoall"],
+            ["--moe-hybridep-compact-routing: megatron-ext's options work with the HybridEP flex dispatcher only"],
+        ),
     ],
     ids=[
         "factor-below-1",
@@ -355,6 +372,8 @@ def test_patched_help_lists_flags_and_docstrings(patched, monkeypatch, capsys):
         "policy-without-factor",
         "transport-without-factor",
         "transport-with-deep_ep",
+        "compact-routing-with-deep_ep",
+        "compact-routing-alltoall",
     ],
 )
 def test_patched_parse_args_refuses_invalid_combinations(patched, monkeypatch, capsys, extra, expected):
@@ -469,6 +488,23 @@ def test_auto_picks_torch_at_a_hidden_size_deep_ep_cannot_take(monkeypatch, capl
     assert options.resolve_implementation("deep_ep", 64) == "deep_ep"  # explicit: validate() refuses it
     monkeypatch.setattr(options, "deep_ep_import_error", lambda: "ImportError: no deep_ep")
     assert options.resolve_implementation("auto", 4096) == "torch"
+
+
+def test_compact_routing_makes_auto_pick_torch(monkeypatch, caplog):
+    """deep_ep's dispatch gathers the dense map whatever it is given: with compact routing, auto
+    takes the torch implementation where it would take deep_ep, and says so once."""
+    from megatron_ext import dispatcher, options
+
+    monkeypatch.setattr(options, "deep_ep_import_error", lambda: None)  # as where deep_ep imports
+    monkeypatch.setattr(options, "_AUTO_FALLBACKS_LOGGED", set())
+    compact = options.HybridEPOptions(compact_routing=True)
+    assert dispatcher.agreed_implementation(options.HybridEPOptions(), 4096, None) == "deep_ep"
+    with caplog.at_level(logging.INFO, logger="megatron_ext.options"):
+        assert dispatcher.agreed_implementation(compact, 4096, None) == "torch"
+        assert dispatcher.agreed_implementation(compact, 4096, None) == "torch"
+    said = [r.getMessage() for r in caplog.records if "--moe-hybridep-compact-routing" in r.getMessage()]
+    assert len(said) == 1 and "auto uses the torch implementation" in said[0], said
+    assert options.HybridEPOptions(compact_routing=True).changes_dispatch
 
 
 def test_a_deep_ep_build_without_non_blocking_dispatch_is_not_used(patched, monkeypatch, capsys):

@@ -14,7 +14,16 @@ import torch.distributed as dist
 
 from megatron_ext import fused
 from tests.distributed import assert_ok, results_fixture
-from tests.megatron_env import FLEX, copy_weights, make_config, moe_layer, run_megatron_checks, run_steps, step_inputs
+from tests.megatron_env import (
+    BASE,
+    FLEX,
+    copy_weights,
+    make_config,
+    moe_layer,
+    run_megatron_checks,
+    run_steps,
+    step_inputs,
+)
 
 WORLD_SIZES = (1, 2, 4)
 HIDDEN = 16
@@ -272,6 +281,45 @@ def reuse_allgather_buffer(rank, world):
     assert reused_stats.gathers == len(inputs) and reused_stats.allocations == min(1, allocations)
 
 
+def compact_routing_equals_dense(rank, world):
+    """--moe-hybridep-compact-routing in Megatron MoE layers (auto: the torch implementation), blocking
+    and in capacity mode with equal counts and reuse (no host read): bitwise the dense gather's
+    results, E / (2k) fewer routing-map bytes sent, the reused buffers allocated once."""
+    from megatron_ext.hybridep.allgather import release_shared_routing_map_buffers
+    from megatron_ext.hybridep.buffers import release_buffers
+    from megatron_ext.tooling.sync import forbid_host_sync
+
+    release_buffers()
+    release_shared_routing_map_buffers()
+    inputs = step_inputs(rank, 3, 32, HIDDEN, seed=14)
+    compact = dict(**FLEX, moe_hybridep_compact_routing=True)
+    capacity = dict(moe_hybridep_capacity_factor=1.5, moe_hybridep_equal_token_counts=True)
+    dense = moe_layer(make_config(world, **FLEX), experts="grouped")
+    blocking = moe_layer(make_config(world, **compact), experts="grouped", seed=7)
+    reused = moe_layer(
+        make_config(world, **compact, **capacity, moe_hybridep_reuse_allgather_buffer=True), experts="grouped", seed=8
+    )
+    copy_weights(dense, blocking)
+    copy_weights(dense, reused)
+    expected = run_steps(dense, inputs)
+    _assert_same(expected, run_steps(blocking, inputs))
+    actual = run_steps(reused, inputs[:1])
+    with forbid_host_sync():
+        actual += run_steps(reused, inputs[1:])
+    _assert_same(expected, actual)
+    experts, topk = BASE["num_moe_experts"], BASE["moe_router_topk"]
+    layers = dict(dense=dense, blocking=blocking, reused=reused)
+    sent = {name: _manager(layer).last_buffer.routing_map_gather.stats for name, layer in layers.items()}
+    assert _manager(reused).implementation == _manager(blocking).implementation == "torch"
+    assert sent["dense"].last_bytes_sent == (world - 1) * 32 * experts, sent["dense"]
+    assert sent["blocking"].last_bytes_sent == (world - 1) * 32 * topk * 2, sent["blocking"]  # int16 indices
+    assert sent["reused"].last_bytes_sent == (world - 1) * 64 * topk * 2, sent["reused"]  # 32 tokens padded to 64
+    assert sent["blocking"].last_bytes_sent * experts == sent["dense"].last_bytes_sent * 2 * topk
+    # The indices and the map they expand to: one allocation each, for every dispatch (one rank: none).
+    assert (sent["reused"].gathers, sent["reused"].allocations) == (len(inputs), 0 if world == 1 else 2), sent["reused"]
+    assert sent["blocking"].allocations == (0 if world == 1 else 2 * len(inputs)), sent["blocking"]
+
+
 def deep_ep_buffer_through_the_same_path(rank, world):
     """deep_ep's HybridEPBuffer, stood in by a subclass of ours that records its arguments."""
     import sys
@@ -298,7 +346,9 @@ def deep_ep_buffer_through_the_same_path(rank, world):
         capacity = dict(**FLEX, **wide, moe_hybridep_capacity_factor=1.5)
         ours = moe_layer(make_config(world, **capacity, moe_hybridep_implementation="torch"), experts="grouped")
         # Megatron's tuning flags reach deep_ep's constructor (the torch buffer ignores them).
-        tuned = dict(moe_flex_dispatcher_num_sms=24, moe_hybridep_num_blocks_permute=8, moe_hybridep_num_sms_preprocessing=64)
+        tuned = dict(
+            moe_flex_dispatcher_num_sms=24, moe_hybridep_num_blocks_permute=8, moe_hybridep_num_sms_preprocessing=64
+        )
         deep_ep = moe_layer(
             make_config(world, **capacity, **tuned, moe_hybridep_reuse_allgather_buffer=True), experts="grouped"
         )
@@ -356,6 +406,7 @@ CHECKS = (
     moe_act_recompute_kept_in_capacity_mode,
     exact_transport_equals_blocking,
     reuse_allgather_buffer,
+    compact_routing_equals_dense,
     deep_ep_buffer_through_the_same_path,
     tensor_and_expert_parallel,
 )

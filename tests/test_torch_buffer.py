@@ -158,6 +158,23 @@ def too_little_capacity_flags_and_drops_the_tail(tight_run, tight, exact_rows, b
     assert torch.equal(tight_run["out"], expected_truncated), "combine of truncated rows is not the blocking head's"
 
 
+def compact_routing_is_bitwise_dense_with_e_over_2k_fewer_map_bytes(
+    compact_blocking, compact_roomy, blocking, roomy_run, exact_rows, world_size, num_tokens, num_experts, topk
+):
+    for mode, compact, dense in (("blocking", compact_blocking, blocking), ("non-blocking", compact_roomy, roomy_run)):
+        assert torch.equal(compact["rows"][:exact_rows], dense["rows"][:exact_rows]), f"{mode}: rows differ"
+        for key in ("row_probs", "counts", "flag", "out", "grad_x", "grad_p"):
+            assert torch.equal(compact[key], dense[key]), f"{mode}: {key} differs from the dense gather's"
+        # int16 indices, T x k per rank to each other rank, against T x E Booleans.
+        assert compact["traffic"].routing_map == (world_size - 1) * num_tokens * topk * 2, compact["traffic"]
+        assert dense["traffic"].routing_map == (world_size - 1) * num_tokens * num_experts, dense["traffic"]
+        assert compact["traffic"].routing_map * num_experts == dense["traffic"].routing_map * 2 * topk
+        assert (compact["traffic"].hidden, compact["traffic"].probs) == (
+            dense["traffic"].hidden,
+            dense["traffic"].probs,
+        )
+
+
 CASE_CHECKS = (
     bytes_sent_are_exact_blocking_and_allgather_nonblocking,
     dispatch_matches_reference,
@@ -165,6 +182,7 @@ CASE_CHECKS = (
     gradients_match_reference,
     nonblocking_with_room_is_bitwise_blocking,
     too_little_capacity_flags_and_drops_the_tail,
+    compact_routing_is_bitwise_dense_with_e_over_2k_fewer_map_bytes,
 )
 
 
@@ -195,12 +213,18 @@ def _case(checks, rank, world_size, index, case):
         roomy_run = _forward_backward(buf, x, m, p, rank, weights, num_local, roomy, pad_multiple)
     tight = _round_down(exact_rows // 2, pad_multiple)
     tight_run = _forward_backward(buf, x, m, p, rank, weights, num_local, tight, pad_multiple)
+    # The same dispatches with the maps gathered as top-k indices (--moe-hybridep-compact-routing).
+    compact = TorchHybridEPBuffer(dist.group.WORLD, HIDDEN, num_tokens, num_local, compact_routing_topk=topk)
+    compact_blocking = _forward_backward(compact, x, m, p, rank, weights, num_local, None, pad_multiple)
+    with forbid_host_sync():
+        compact_roomy = _forward_backward(compact, x, m, p, rank, weights, num_local, roomy, pad_multiple)
     # What combine must give for the truncated rows: the blocking combine with the tail zeroed.
     tail_zeroed = blocking["rows"] * blocking["row_probs"].unsqueeze(1).to(dtype)
     tail_zeroed[tight:] = 0
     expected_truncated, _ = buf.combine_with_unpermute(hidden=tail_zeroed, handle=blocking["handle"])
     expected_truncated = expected_truncated.cpu()
     blocking, roomy_run, tight_run = _cpu(blocking), _cpu(roomy_run), _cpu(tight_run)
+    compact_blocking, compact_roomy = _cpu(compact_blocking), _cpu(compact_roomy)
     m = m.cpu()
     ref_dispatch, ref_out, ref_grad_x, ref_grad_p = _reference_forward_backward(
         hidden, maps, probs, weights, world_size, pad_multiple
@@ -356,11 +380,35 @@ def reuse_does_not_change_results(outputs):
         assert torch.equal(counts_a, counts_b)
 
 
-REUSE_CHECKS = (reuse_writes_the_same_storage, no_reuse_allocates_every_dispatch, reuse_does_not_change_results)
+def compact_reuse_writes_the_same_storage(
+    compact_pointers, compact_outputs, outputs, compact, world_size, map_pointers
+):
+    for (rows_a, probs_a, counts_a), (_, (rows_b, probs_b, counts_b)) in zip(compact_outputs, outputs):
+        real = int(counts_a.sum())
+        assert torch.equal(rows_a[:real], rows_b[:real]) and torch.equal(probs_a, probs_b)
+        assert torch.equal(counts_a, counts_b), "compact routing changed the counts"
+    stats = compact.routing_map_gather.stats
+    if world_size == 1:  # nothing gathered: the map itself, nothing allocated
+        assert [p[0] for p in compact_pointers] == map_pointers and stats.allocations == 0, stats
+        return
+    # (expanded map, gathered indices) per dispatch: the same storage for the same shape, grown once at 32 tokens.
+    assert len(set(compact_pointers[:3])) == 1, f"repeated same-shape gathers moved: {compact_pointers}"
+    assert compact_pointers[4] == compact_pointers[3], "a smaller gather after growth did not reuse the grown buffers"
+    num_experts = 4 * world_size
+    first, grown = (world_size * t * (2 * 2 + num_experts) + 1 for t in (16, 32))  # int16 top-2, map + 1
+    assert (stats.gathers, stats.allocations, stats.bytes_allocated) == (5, 4, first + grown), stats
+
+
+REUSE_CHECKS = (
+    reuse_writes_the_same_storage,
+    no_reuse_allocates_every_dispatch,
+    reuse_does_not_change_results,
+    compact_reuse_writes_the_same_storage,
+)
 
 
 def _reuse(checks, rank, world_size):
-    from megatron_ext.hybridep import TorchHybridEPBuffer, release_shared_routing_map_buffers
+    from megatron_ext.hybridep import TorchHybridEPBuffer, allgather, release_shared_routing_map_buffers
 
     release_shared_routing_map_buffers()
     num_experts = 4 * world_size
@@ -368,7 +416,7 @@ def _reuse(checks, rank, world_size):
     reused = TorchHybridEPBuffer(dist.group.WORLD, HIDDEN, 32, 4, reuse_allgather_buffer=True)
     second = TorchHybridEPBuffer(dist.group.WORLD, HIDDEN, 32, 4, enable_custom_allgather=True)
     fresh = TorchHybridEPBuffer(dist.group.WORLD, HIDDEN, 32, 4)
-    pointers, outputs, map_pointers = [], [], []
+    pointers, outputs, map_pointers, inputs = [], [], [], []
     for num_tokens in (16, 16, 16, 32, 8):
         hidden, maps, probs = reference.random_routing(
             gen, world_size, num_tokens, num_experts, 2, HIDDEN, torch.float32
@@ -384,12 +432,61 @@ def _reuse(checks, rank, world_size):
                 non_blocking=True,
             )
             results.append((rows, row_probs, counts))
+        inputs.append((hidden, maps, probs))
         pointers.append(reused.routing_map_gather.stats.last_data_ptr)
         map_pointers.append(maps[rank].data_ptr())
         outputs.append(results)
     second.dispatch_with_permute(hidden=hidden[rank], routing_map=maps[rank], probs=probs[rank])
     map_bytes = world_size * num_experts * 16
+    # Compact routing with reuse: its indices and the map they expand to, each in one storage per group.
+    release_shared_routing_map_buffers()
+    compact = TorchHybridEPBuffer(dist.group.WORLD, HIDDEN, 32, 4, reuse_allgather_buffer=True, compact_routing_topk=2)
+    compact_pointers, compact_outputs = [], []
+    for hidden, maps, probs in inputs:
+        rows, row_probs, _, counts, _ = compact.dispatch_with_permute(
+            hidden=hidden[rank],
+            routing_map=maps[rank],
+            probs=probs[rank],
+            num_permuted_tokens=4 * maps[rank].shape[0] * 2,
+            non_blocking=True,
+        )
+        indices = allgather._SHARED_INDICES.get((dist.group.WORLD, torch.int16))
+        compact_pointers.append(
+            (compact.routing_map_gather.stats.last_data_ptr, indices is not None and indices.data_ptr())
+        )
+        compact_outputs.append((rows, row_probs, counts))
     _run_checks(checks, REUSE_CHECKS, locals())
+
+
+# ------------------------------------------------------------------ compact routing's device assert
+
+
+def compact_routing_refuses_a_token_with_more_than_k_experts(raised, world_size):
+    if world_size == 1:  # one rank gathers nothing, so nothing is compacted or lost
+        assert raised is None, raised
+        return
+    assert raised is not None, "a row of 2 experts went through compact routing at top-1"
+    assert "--moe-hybridep-compact-routing sends at most 1 experts per token" in raised, raised
+    assert len(raised) < 255, raised  # CUDA's _assert_async refuses longer messages
+
+
+def _compact_guard(checks, rank, world_size):
+    """Every rank routes one token to 2 experts at top-1: the device assert after the gather
+    stops each of them (on CPU `torch._assert_async` raises; on a GPU it ends the process, so
+    this runs on CPU ranks only)."""
+    from megatron_ext.hybridep import TorchHybridEPBuffer
+
+    buf = TorchHybridEPBuffer(dist.group.WORLD, HIDDEN, 8, 2, compact_routing_topk=1)
+    gen = torch.Generator().manual_seed(17)
+    hidden, maps, probs = reference.random_routing(gen, world_size, 8, 2 * world_size, 1, HIDDEN, torch.float32)
+    m = maps[rank].clone()
+    m[3, :2] = True
+    raised = None
+    try:
+        buf.dispatch_with_permute(hidden=hidden[rank], routing_map=m, probs=probs[rank] * m)
+    except RuntimeError as exc:
+        raised = str(exc)
+    _run_checks(checks, (compact_routing_refuses_a_token_with_more_than_k_experts,), locals())
 
 
 def _worker(rank, world_size, out_dir):
@@ -398,6 +495,8 @@ def _worker(rank, world_size, out_dir):
         _case(checks, rank, world_size, index, case)
     _guard_catches_blocking(checks, rank, world_size)
     _reuse(checks, rank, world_size)
+    if _device().type == "cpu":  # a device assert ends a GPU rank's process
+        _compact_guard(checks, rank, world_size)
     checks.save(out_dir, rank)
 
 
@@ -410,6 +509,11 @@ CHECKS = tuple(check.__name__ for check in (*CASE_CHECKS, guard_trips_on_blockin
 def test_buffer(results, check):
     _, outcomes = results
     assert_ok(outcomes, check)
+
+
+def test_compact_routing_device_assert(results):
+    _, outcomes = results
+    assert_ok(outcomes, compact_routing_refuses_a_token_with_more_than_k_experts.__name__)
 
 
 @pytest.mark.parametrize("check", [check.__name__ for check in EXACT_CHECKS])

@@ -36,11 +36,13 @@ def get_buffer(
     reuse_allgather_buffer: bool,
     transport: str = "auto",
     deep_ep_tuning: Optional[DeepEPTuning] = None,
+    compact_routing_topk: Optional[int] = None,
 ) -> HybridEPBuffer:
     """The shared buffer for these arguments (`implementation`: one of `BUFFER_IMPLEMENTATIONS`,
     'deep_ep' or 'torch', as `options.resolve_implementation` gives; `transport`: the torch
     buffer's, see `megatron_ext.hybridep.exchange`; `deep_ep_tuning`: deep_ep's SM and block
-    counts, which the torch buffer's kernels have no equivalent of).
+    counts, which the torch buffer's kernels have no equivalent of; `compact_routing_topk`: the torch
+    buffer's routing maps gathered as that many expert indices per token, `--moe-hybridep-compact-routing`).
 
     deep_ep's persistent all-gather buffer asserts, at every dispatch, that each rank's routing map
     is a multiple of 16 bytes. A buffer built for T tokens serves any smaller count, so the check
@@ -60,7 +62,8 @@ def get_buffer(
                 )
             reuse_allgather_buffer = False
     tuning = (deep_ep_tuning or DeepEPTuning()) if implementation == "deep_ep" else None
-    key = (implementation, group, num_local_experts, reuse_allgather_buffer, transport, tuning)
+    compact = compact_routing_topk if implementation == "torch" else None
+    key = (implementation, group, num_local_experts, reuse_allgather_buffer, transport, tuning, compact)
     cached = _BUFFERS.get(key)
     if cached is not None and cached[1] == hidden_dim and cached[2] >= num_tokens:
         return cached[0]
@@ -73,6 +76,7 @@ def get_buffer(
             num_local_experts,
             reuse_allgather_buffer=reuse_allgather_buffer,
             transport=transport,
+            compact_routing_topk=compact,
         )
     elif implementation == "deep_ep":
         buffer = create_deep_ep_buffer(

@@ -6,7 +6,8 @@ permuted dispatch layout, its non-blocking capacity mode and overflow flag, and 
 How tokens move (W ranks, T tokens per rank, rank r owns experts [r * L, (r + 1) * L)):
 
 * Both modes all-gather the `[T, E]` Boolean routing maps (HybridEP does too), so every rank
-  knows every token's destinations and computes its own layout locally.
+  knows every token's destinations and computes its own layout locally (with compact routing as
+  top-k indices, expanded back into the same maps: `allgather.py`).
 * Blocking (`num_permuted_tokens=None`): one host read of a few counts, then an exact
   all-to-all: each token travels once to each rank that owns one of its experts, with the
   float32 probs of that rank's experts beside it.
@@ -208,6 +209,8 @@ class TorchHybridEPBuffer:
     `num_blocks_*`, `load_cached_kernels`, `use_shared_buffer`) have no meaning here and are
     accepted for compatibility. `enable_custom_allgather=True` or `reuse_allgather_buffer=True`
     gathers routing maps into one buffer per process group instead of a fresh tensor each time.
+    `compact_routing_topk=k` gathers them as `[T, k]` expert indices and expands them back (every
+    token routed to at most k experts, asserted on the device): `megatron_ext.hybridep.allgather`.
 
     `dispatch_with_permute` and `combine_with_unpermute` are plain (non-differentiable) calls, as
     in deep_ep; `megatron_ext.hybridep.autograd` wraps them for autograd.
@@ -231,6 +234,7 @@ class TorchHybridEPBuffer:
         *,
         reuse_allgather_buffer: bool = False,
         transport: str | DeviceSplitsExchange = "auto",
+        compact_routing_topk: Optional[int] = None,
     ):
         _check(group is not None, "group", "a torch.distributed ProcessGroup", group)
         _check(isinstance(hidden_dim, int) and hidden_dim > 0, "hidden_dim", "a positive int", hidden_dim)
@@ -253,13 +257,23 @@ class TorchHybridEPBuffer:
             f"one of {', '.join(TRANSPORTS)}",
             transport,
         )
+        num_experts = group.size() * num_local_experts
+        _check(
+            compact_routing_topk is None
+            or (isinstance(compact_routing_topk, int) and 1 <= compact_routing_topk <= num_experts),
+            "compact_routing_topk",
+            f"None or an int from 1 to the number of experts ({num_experts})",
+            compact_routing_topk,
+        )
         self.group = group
         self.world_size = group.size()
         self.rank = group.rank()
         self.hidden_dim = hidden_dim
         self.max_num_of_tokens_per_rank = max_num_of_tokens_per_rank
         self.num_local_experts = num_local_experts
-        self.routing_map_gather = RoutingMapGather(group, reuse=reuse_allgather_buffer or enable_custom_allgather)
+        self.routing_map_gather = RoutingMapGather(
+            group, reuse=reuse_allgather_buffer or enable_custom_allgather, topk=compact_routing_topk
+        )
         self._transport = transport
         self._splits_exchange: Optional[DeviceSplitsExchange] = None
         self._exchange_chosen = False
@@ -376,7 +390,7 @@ class TorchHybridEPBuffer:
             )
             capacity = self._check_capacity(num_permuted_tokens, pad_multiple, non_blocking)
             handle = self._plan(routing_map, capacity, pad_multiple, non_blocking, row_bytes)
-            map_bytes = (self.world_size - 1) * routing_map.numel()
+            map_bytes = self.routing_map_gather.stats.last_bytes_sent
         else:
             self._check_handle(handle, "handle")
             _check(
