@@ -27,7 +27,7 @@ import torch.distributed as dist
 from megatron_ext.tooling.ranks import Placement
 from tests.distributed import run_ranks
 
-WORLD, LAYERS, TOKENS, HIDDEN, EXPERTS, TOPK, STEPS, ROUNDS = 2, 2, 64, 32, 4, 2, 2, 2
+WORLD, LAYERS, TOKENS, HIDDEN, EXPERTS, TOPK, STEPS, ROUNDS = 2, 2, 64, 32, 8, 2, 2, 2  # E / (2 top-k) = 2
 TINY = [
     "--layers", str(LAYERS), "--tokens", str(TOKENS), "--hidden", str(HIDDEN), "--ffn-hidden", "32",
     "--experts", str(EXPERTS), "--topk", str(TOPK), "--steps", str(STEPS), "--warmup", "0", "--no-progress",
@@ -40,6 +40,8 @@ OUR_MODES = (
     "capacity+equal+check",
     "capacity+equal+reuse",
     "capacity+equal+rerun",
+    "blocking+compact",
+    "capacity+equal+reuse+compact",
 )
 DEEP_EP_MODES = ("deep_ep", "deep_ep+capacity+equal+reuse", "deep_ep+capacity+equal+reuse+rerun")
 GRAPH_MODES = (  # GPU only: skipped here
@@ -133,8 +135,9 @@ def test_host_syncs_and_all_reduces_per_step(full_run):
     reduces = {m["name"]: m["all_reduces_per_step"] for m in report["modes"]}
     assert syncs["blocking"] == LAYERS  # one count read per forward dispatch; its backward reads nothing
     assert syncs["capacity+pad"] == LAYERS and reduces["capacity+pad"] == LAYERS  # Megatron's pad: max + read
-    for name in ("capacity+equal", "capacity+equal+check", "capacity+equal+reuse"):
+    for name in ("capacity+equal", "capacity+equal+check", "capacity+equal+reuse", "capacity+equal+reuse+compact"):
         assert syncs[name] == 0, (name, _mode(report, name)["sync_examples"])
+    assert syncs["blocking+compact"] == LAYERS
     assert reduces["capacity+equal"] == 0 and reduces["capacity+equal+reuse"] == 0
     assert reduces["capacity+equal+check"] == LAYERS
     # The overflow re-run policy: one all-reduce and one host read per step, at its end; none per layer.
@@ -144,7 +147,7 @@ def test_host_syncs_and_all_reduces_per_step(full_run):
 
 def test_capacity_modes_dispatch_non_blocking_after_calibration(full_run):
     _, report, _ = full_run
-    for name in OUR_MODES[1:]:
+    for name in (n for n in OUR_MODES[1:] if n != "blocking+compact"):
         mode = _mode(report, name)
         assert (mode["blocking_dispatches_per_step"], mode["non_blocking_dispatches_per_step"]) == (0, LAYERS)
         per_rank = [r["capacities"] for r in mode["per_rank"]]
@@ -169,6 +172,18 @@ def test_bytes_and_routing_map_allocations(full_run):
     assert _mode(report, "blocking")["routing_map_bytes_allocated_per_step"] == LAYERS * map_bytes
     assert _mode(report, "capacity+equal+reuse")["routing_map_bytes_allocated_per_step"] == 0
     assert _mode(report, "megatron")["routing_map_bytes_allocated_per_step"] is None
+    # Compact routing: int16 top-k indices instead of E Booleans per token, E / (2k) fewer bytes sent,
+    # bitwise the same results (test_every_mode_runs_and_equals_blocking); with reuse nothing allocated.
+    dense_sent, compact_sent = (WORLD - 1) * TOKENS * EXPERTS, (WORLD - 1) * TOKENS * TOPK * 2
+    for name in ("blocking", "capacity+equal", "capacity+equal+reuse"):
+        assert _mode(report, name)["routing_map_bytes_sent_per_dispatch"] == dense_sent, name
+    for name in ("blocking+compact", "capacity+equal+reuse+compact"):
+        assert _mode(report, name)["routing_map_bytes_sent_per_dispatch"] == compact_sent, name
+    assert dense_sent == compact_sent * EXPERTS // (2 * TOPK) and EXPERTS > 2 * TOPK
+    reused = _mode(report, "capacity+equal+reuse+compact")
+    assert reused["routing_map_bytes_allocated_per_step"] == 0
+    assert reused["bytes_sent_per_dispatch"] == expected - dense_sent + compact_sent
+    assert _mode(report, "megatron")["routing_map_bytes_sent_per_dispatch"] is None
 
 
 def test_timings_and_plot(full_run):
@@ -192,6 +207,7 @@ def test_timings_and_plot(full_run):
 def test_overflow_stops_the_run_and_names_the_mode():
     # Capacity exactly the calibrated rows and skewed routing: a later step needs more rows.
     overflowing = ["--capacity-factor", "1.0", "--skew", "1", "--modes", "capacity+equal", "--steps", "3"]
+    overflowing += ["--experts", "4"]  # 2 per rank: the skewed step outgrows the first's rows
     result = _bench(*TINY, "--world-size", "2", *overflowing)
     assert result.returncode == 1, result.stdout + result.stderr
     assert "FAILED mode capacity+equal on rank" in result.stderr
@@ -826,8 +842,8 @@ def test_the_table_shows_gpu_time_and_graph_rows_without_nonsense():
         "2.00", "2.0 KiB", "1.0 KiB", "0",
     ]  # fmt: skip
     assert [wide[GRAPH_MODES[0]][c] for c in ("GPU ms", "disp host ms", "all-reduces")] == ["1.60", "-", "-"]
-    more = "GPU ms, disp host ms, all-reduces, fwd held, cap/used, map alloc, sent/disp"
-    assert report.hint(rows, cuda=True) == f"--wide adds {more} (the JSON has every number)\n{report.EXPLAIN_HINT}"
+    # (naming them all would pass 120 characters)
+    assert report.hint(rows, cuda=True) == f"--wide adds 8 columns (the JSON has every number)\n{report.EXPLAIN_HINT}"
     assert report.hint(rows, cuda=True, wide=True) == "--explain: what each column means"
     sizes = _cpu_runner().sizes
     legend = report.legend(rows, cuda=True, sizes=sizes)

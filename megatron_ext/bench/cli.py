@@ -309,7 +309,9 @@ def _rank_main(rank: int, world_size: int, args, failure_dir: str) -> bool:
         current["mode"] = mode_name
         bar.set_description(mode_name)
         if show and not sys.stderr.isatty():
-            print(f"megatron-ext-bench: {mode_name} (at {time.monotonic() - started:.0f} s)", file=sys.stderr, flush=True)
+            print(
+                f"megatron-ext-bench: {mode_name} (at {time.monotonic() - started:.0f} s)", file=sys.stderr, flush=True
+            )
 
     try:
         results, facts = run_modes(sizes, args.selected, device, progress=lambda: bar.update(1), starting=starting)

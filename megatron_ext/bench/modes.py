@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from megatron_ext.options import FP8_RECIPES, STATIC_SPLITS_FLAG
+from megatron_ext.options import COMPACT_ROUTING_FLAG, FP8_RECIPES, STATIC_SPLITS_FLAG
 
 FLEX = dict(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="hybridep")
 
@@ -183,6 +183,30 @@ def all_modes(capacity_factor: float, fp8_recipe: str | None = None) -> tuple[Mo
             (*flex_flags, factor_flag, "--moe-hybridep-equal-token-counts", "--moe-hybridep-overflow-policy rerun"),
             dict(torch_impl, **factor, **equal, moe_hybridep_overflow_policy="rerun"),
             overflow_rerun=True,
+        ),
+        Mode(
+            "blocking+compact",
+            "as blocking, routing maps gathered as top-k expert indices (compact routing)",
+            (*flex_flags, "--moe-hybridep-implementation torch", COMPACT_ROUTING_FLAG),
+            dict(torch_impl, moe_hybridep_compact_routing=True),
+        ),
+        Mode(
+            "capacity+equal+reuse+compact",
+            "as capacity+equal+reuse, routing maps gathered as top-k expert indices (compact routing)",
+            (
+                *flex_flags,
+                factor_flag,
+                "--moe-hybridep-equal-token-counts",
+                "--moe-hybridep-reuse-allgather-buffer",
+                COMPACT_ROUTING_FLAG,
+            ),
+            dict(
+                torch_impl,
+                **factor,
+                **equal,
+                moe_hybridep_reuse_allgather_buffer=True,
+                moe_hybridep_compact_routing=True,
+            ),
         ),
         Mode(
             "deep_ep",

@@ -81,6 +81,7 @@ def aggregate(mode: Mode, per_rank: list[dict]) -> dict[str, Any]:
         bytes_sent_per_step=_mean([r["bytes_sent_per_step"] for r in per_rank]),
         bytes_sent_per_dispatch=_mean([r["bytes_sent_per_dispatch"] for r in per_rank]),
         routing_map_bytes_allocated_per_step=_mean([r["routing_map_bytes_allocated_per_step"] for r in per_rank]),
+        routing_map_bytes_sent_per_dispatch=_mean([r.get("routing_map_bytes_sent_per_dispatch") for r in per_rank]),
         peak_step_memory_bytes=_worst([r["peak_step_memory_bytes"] for r in per_rank]),
         forward_memory_bytes=_worst([r.get("forward_memory_bytes") for r in per_rank]),
         blocking_dispatches_per_step=first["blocking_dispatches_per_step"],
@@ -349,6 +350,14 @@ COLUMNS = (
         keep=62,
     ),
     Column(
+        "map sent",
+        lambda r: _bytes(r.get("routing_map_bytes_sent_per_dispatch")),
+        "routing-map bytes a rank's all-gather sends other ranks per dispatch: (W-1) x T x E Booleans, or with "
+        "compact routing (W-1) x T x top-k int16 indices, E / (2 top-k) times fewer ('-': no such gather, or "
+        "not visible).",
+        default=frozenset(),
+    ),
+    Column(
         "sent/disp",
         lambda r: _bytes(r["bytes_sent_per_dispatch"]),
         "bytes a rank hands collectives for other ranks in one forward dispatch ('-': not visible).",
@@ -457,7 +466,7 @@ def legend(rows: list[dict], cuda: bool, sizes, width: int = WIDTH) -> str:
     if any(r.get("graph") and r["status"] not in ("skipped", "failed") for r in rows):
         lines += _wrap(
             "+graph: every step after the capture is one replay of a CUDA graph, which runs no Python: what is "
-            "counted at Python calls (disp host ms, all-reduces, bytes, map alloc) reads '-', syncs counts "
+            "counted at Python calls (disp host ms, all-reduces, bytes, map alloc, map sent) reads '-', syncs counts "
             "the replay's (none can happen), and peak mem is the capture's (the graph's pool keeps it).",
             width,
         )

@@ -71,6 +71,7 @@ class ModeResult:
     bytes_sent_per_step: Optional[int] = None
     bytes_sent_per_dispatch: Optional[float] = None
     routing_map_bytes_allocated_per_step: Optional[float] = None
+    routing_map_bytes_sent_per_dispatch: Optional[float] = None  # what a rank's map gathers send other ranks
     peak_step_memory_bytes: Optional[int] = None
     forward_memory_bytes: Optional[int] = None  # held at the end of the forward (saved for the backward)
     blocking_dispatches_per_step: Optional[float] = None
@@ -334,7 +335,7 @@ class _Runner:
     def _time(self, stack, timer, managers, result, inputs) -> None:
         cuda = self.device.type == "cuda"
         graphed = self.graphed is not None
-        gathers_before = _routing_map_bytes(managers)
+        gathers_before = _gather_totals(managers)
         events = []
         peaks, forward_held = [], []
         timer.enabled = True
@@ -378,9 +379,11 @@ class _Runner:
             result.step_ms = list(result.host_step_ms)
         result.round_step_ms = [statistics.median(result.step_ms)]
         result.dispatch_host_ms = timer.samples_ms
-        gathers_after = _routing_map_bytes(managers)
+        gathers_after = _gather_totals(managers)
         if gathers_before is not None and gathers_after is not None and not graphed:  # counted in Python
-            result.routing_map_bytes_allocated_per_step = (gathers_after - gathers_before) / self.sizes.steps
+            allocated, sent, gathers = (after - before for after, before in zip(gathers_after, gathers_before))
+            result.routing_map_bytes_allocated_per_step = allocated / self.sizes.steps
+            result.routing_map_bytes_sent_per_dispatch = sent / gathers if gathers else None
 
 
 def _our_managers(stack) -> list:
@@ -405,13 +408,15 @@ def _dispatch_counts(managers) -> Optional[tuple[int, int]]:
     )
 
 
-def _routing_map_bytes(managers) -> Optional[int]:
-    """Routing-map bytes allocated so far by the buffers these managers dispatched through."""
+def _gather_totals(managers) -> Optional[tuple[int, int, int]]:
+    """(bytes allocated, bytes sent to other ranks, gathers) so far of the routing-map gathers of
+    the buffers these managers dispatched through."""
     buffers = {id(m.last_buffer): m.last_buffer for m in managers if m.last_buffer is not None}
     gathers = [getattr(b, "routing_map_gather", None) for b in buffers.values()]
     if not gathers or any(g is None for g in gathers):
         return None  # Megatron's own dispatch, or deep_ep's buffer: not counted here
-    return sum(g.stats.bytes_allocated for g in gathers)
+    stats = [g.stats for g in gathers]
+    return sum(s.bytes_allocated for s in stats), sum(s.bytes_sent for s in stats), sum(s.gathers for s in stats)
 
 
 def _expert_load(stack) -> Optional[float]:
