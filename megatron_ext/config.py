@@ -88,6 +88,14 @@ class HybridEPTransformerConfig(TransformerConfig):
     run with a device assert. The torch implementation only (auto picks it; deep_ep's dispatch
     gathers the dense map whatever it is given)."""
 
+    moe_hybridep_warm_up: bool = False
+    """[megatron-ext] Before Megatron's training loop starts, build every MoE layer's HybridEP
+    buffer and run its dispatch and combine once, forward and backward, on made-up tokens of the
+    training shape (--seq-length x --micro-batch-size per rank), so that deep_ep's and Triton's
+    kernels compile there, every pipeline stage at once, instead of inside the first step. Changes
+    no layer state (capacity mode still calibrates on the first real step). Keep deep_ep's compiled
+    kernels across jobs with HYBRID_EP_CACHE_DIR on a persistent disk."""
+
     def __post_init__(self):
         # Megatron refuses `--cuda-graph-modules moe` for every MoE but drop-and-pad ones (a dropless
         # layer reads its counts on the host). Capacity mode with equal token counts reads none after

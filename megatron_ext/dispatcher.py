@@ -323,6 +323,81 @@ class HybridEPCapacityManager:
             ),
         )
 
+    def _buffer(self, hidden_dim: int, num_tokens: int) -> HybridEPBuffer:
+        """The shared buffer this layer dispatches `num_tokens` tokens of `hidden_dim` with."""
+        return get_buffer(
+            self.implementation,
+            self.group,
+            hidden_dim=hidden_dim,
+            num_tokens=num_tokens,
+            num_local_experts=self.num_local_experts,
+            reuse_allgather_buffer=self.options.reuse_allgather_buffer,
+            transport=self.options.transport,
+            deep_ep_tuning=self.deep_ep_tuning,
+            compact_routing_topk=self.compact_routing_topk,
+        )
+
+    # ----------------------------------------------------------- warm-up
+
+    def warm_up_key(self, num_tokens: int) -> tuple:
+        """What decides the buffer and the kernels a warm-up of `num_tokens` tokens prepares:
+        layers with the same key share them, so one warm-up serves them all."""
+        return (
+            self.implementation,
+            self.group,
+            self.num_local_experts,
+            self.options.reuse_allgather_buffer,
+            self.options.transport,
+            self.deep_ep_tuning,
+            self.compact_routing_topk,
+            self.config.hidden_size,
+            self.pad_multiple,
+            self.options.capacity_factor is not None,
+            self._warm_up_tokens(num_tokens),
+        )
+
+    def _warm_up_tokens(self, num_tokens: int) -> int:
+        """The tokens a dispatch of `num_tokens` (the same on every rank) hands HybridEP."""
+        if self.options.equal_token_counts or self.config.moe_hybridep_pad_uneven_dispatch_inputs:
+            return equal_count_padding(num_tokens, TOKEN_ALIGNMENT)
+        return num_tokens
+
+    def warm_up(self, num_tokens: int, device: torch.device) -> None:
+        """Build this layer's buffer and run its kernels once, forward and backward, on made-up
+        tokens of training's shape (`num_tokens` per rank, the hidden size and dtype of the config):
+        deep_ep compiles its dispatch and combine kernels on their first use, and Triton its
+        kernels, so a step that follows starts with both ready. Collective over the layer's group:
+        every rank of it calls this with the same `num_tokens`. Capacity mode runs a non-blocking
+        dispatch too, sized to the blocking one's rows. Nothing of the layer's state changes: no
+        calibration, no counter, no statistic."""
+        padded = self._warm_up_tokens(num_tokens)
+        buffer = self._buffer(self.config.hidden_size, padded)
+        # Token t picks experts t*k .. t*k + k-1 (mod E): every expert gets rows, on every rank alike.
+        topk = self.config.moe_router_topk
+        picks = (
+            torch.arange(padded, device=device)[:, None] * topk + torch.arange(topk, device=device)
+        ) % self.num_experts
+        routing_map = torch.zeros(padded, self.num_experts, dtype=torch.bool, device=device).scatter_(1, picks, True)
+        probs = routing_map.float() / topk
+        tokens = torch.zeros(padded, self.config.hidden_size, dtype=self.config.params_dtype, device=device)
+        tokens.requires_grad_(True)
+        capacity: Optional[int] = None
+        for _ in range(1 if self.options.capacity_factor is None else 2):
+            rows, _, _, handle = autograd.dispatch(
+                buffer,
+                tokens,
+                routing_map,
+                probs,
+                num_local_experts=self.num_local_experts,
+                num_permuted_tokens=capacity,
+                pad_multiple=self.pad_multiple,
+            )
+            capacity = capacity or rows.shape[0]  # a blocking dispatch's rows are known on the host
+            combined = autograd.combine(
+                buffer, rows, handle, num_permuted_tokens=capacity, pad_multiple=self.pad_multiple
+            )
+            combined.float().sum().backward()
+
     # ----------------------------------------------------------- Megatron's manager interface
 
     def setup_metadata(self, routing_map: torch.Tensor, probs: torch.Tensor) -> None:
@@ -343,17 +418,7 @@ class HybridEPCapacityManager:
         padded = self.routing_map.shape[0]
         if padded > hidden_states.shape[0]:
             hidden_states = torch.nn.functional.pad(hidden_states, (0, 0, 0, padded - hidden_states.shape[0]))
-        buffer = get_buffer(
-            self.implementation,
-            self.group,
-            hidden_dim=hidden_states.shape[1],
-            num_tokens=padded,
-            num_local_experts=self.num_local_experts,
-            reuse_allgather_buffer=self.options.reuse_allgather_buffer,
-            transport=self.options.transport,
-            deep_ep_tuning=self.deep_ep_tuning,
-            compact_routing_topk=self.compact_routing_topk,
-        )
+        buffer = self._buffer(hidden_states.shape[1], padded)
         self.last_buffer = buffer
         capacity = self._dispatch_capacity()
         if capacity is None:

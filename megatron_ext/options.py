@@ -53,6 +53,7 @@ class HybridEPOptions:
     transport: Transport = AUTO
     static_expert_splits: bool = False
     compact_routing: bool = False
+    warm_up: bool = False
 
     @classmethod
     def from_config(cls, config: Any) -> HybridEPOptions:

@@ -189,6 +189,7 @@ def test_field_names():
         "moe_hybridep_transport",
         "moe_hybridep_static_expert_splits",
         "moe_hybridep_compact_routing",
+        "moe_hybridep_warm_up",
     )
     # the options the dispatcher reads are exactly these fields (options.py cannot import Megatron)
     from megatron_ext.options import CONFIG_PREFIX, OPTION_NAMES

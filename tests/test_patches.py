@@ -25,6 +25,7 @@ TRAINING = "megatron.training.training.get_forward_backward_func"
 FULL_GRAPH = "megatron.training.training.FullCudaGraphWrapper"
 MOE_REPORT = "megatron.core.transformer.moe.moe_logging.MoEMetricsTracker.report"
 CREATE_GRAPHS = "megatron.core.pipeline_parallel.schedules.create_cudagraphs"
+TRAIN = "megatron.training.training.train"
 ALL_TARGETS = [
     DISPATCHER,
     MOE_INIT,
@@ -36,6 +37,7 @@ ALL_TARGETS = [
     FULL_GRAPH,
     MOE_REPORT,
     CREATE_GRAPHS,
+    TRAIN,
 ]
 
 
@@ -94,7 +96,7 @@ def assert_patched(originals, replacements, targets):
             assert now is replacements[target], target
         elif target == MOE_INIT:
             assert now.__megatron_ext_original__ is originals[target]
-        elif target in (ADD_ARGUMENTS, TRAINING, MOE_REPORT, CREATE_GRAPHS):
+        elif target in (ADD_ARGUMENTS, TRAINING, MOE_REPORT, CREATE_GRAPHS, TRAIN):
             assert now.__wrapped__ is originals[target]
 
 
@@ -301,7 +303,7 @@ def test_apply_dispatcher_only(originals, replacements):
         ),
         (
             {"dispatcher": False, "experts": False, "arguments": False, "training": True},
-            [TRAINING, FULL_GRAPH, MOE_REPORT, CREATE_GRAPHS],
+            [TRAINING, FULL_GRAPH, MOE_REPORT, CREATE_GRAPHS, TRAIN],
         ),
         ({"dispatcher": False, "experts": False, "arguments": False, "training": False}, []),
     ],

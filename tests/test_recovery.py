@@ -243,9 +243,9 @@ def routing_shift_mid_training_is_survived_bitwise(rank, world):
     """Fault injection: from step 3 on, every token is pushed towards experts 0 and 1 (on the first
     rank, or the first two), as a router drifting during training would. The run goes on; every step
     it keeps equals blocking's bitwise; the shifted step overflows on the first rank (and on any
-    other whose rows outgrew its capacity), is re-run once, and its layer's capacity grows; the capacity-use metric shows
-    the overflow (above 1) and then the room again (at most 1); each step reads the host once,
-    except the re-run step and the growth after it."""
+    other whose rows outgrew its capacity), is re-run once, and its layer's capacity grows; the
+    capacity-use metric shows the overflow (above 1) and then the room again (at most 1); each step
+    reads the host once, except the re-run step and the growth after it."""
     from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 
     from megatron_ext.dispatcher import CAPACITY_USE_METRIC
@@ -583,6 +583,7 @@ def test_the_patch_wraps_the_schedule_of_megatrons_training_loop():
             "megatron.training.training.FullCudaGraphWrapper",
             "megatron.core.transformer.moe.moe_logging.MoEMetricsTracker.report",
             "megatron.core.pipeline_parallel.schedules.create_cudagraphs",
+            "megatron.training.training.train",
         ]
         # What the schedules call at a step's end to capture per-layer graphs, skipped in a re-run.
         assert schedules.create_cudagraphs.__wrapped__ is cuda_graphs.create_cudagraphs

@@ -31,7 +31,9 @@ Patched attributes, by feature:
   `megatron.core.transformer.moe.moe_logging.MoEMetricsTracker.report` -> the same, also
   reporting megatron-ext's capacity use in capacity mode;
   `megatron.core.pipeline_parallel.schedules.create_cudagraphs` -> the same, skipped while an
-  overflowed step re-runs eagerly under per-layer graphs (`megatron_ext.recovery.capture_paused`).
+  overflowed step re-runs eagerly under per-layer graphs (`megatron_ext.recovery.capture_paused`);
+  `megatron.training.training.train` -> the same, after `megatron_ext.warmup.warm_up_before_training`
+  (with `--moe-hybridep-warm-up`: every MoE layer's buffer built and kernels compiled first).
 """
 
 from __future__ import annotations
@@ -100,6 +102,17 @@ def _get_forward_backward_func(original: Callable) -> Callable:
     return get_forward_backward_func
 
 
+def _train(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def train(forward_step_func, model, *args, **kwargs):
+        from megatron_ext.warmup import warm_up_before_training
+
+        warm_up_before_training(model)  # every stage at once, before the schedule's first send
+        return original(forward_step_func, model, *args, **kwargs)
+
+    return train
+
+
 def _full_cuda_graph_wrapper(original: type) -> type:
     from megatron_ext.recovery import full_iteration_graph
 
@@ -151,6 +164,7 @@ PATCHES: tuple[_Patch, ...] = (
     _Patch("megatron.training.training.FullCudaGraphWrapper", _full_cuda_graph_wrapper, "training"),
     _Patch("megatron.core.transformer.moe.moe_logging.MoEMetricsTracker.report", _moe_metrics_report, "training"),
     _Patch("megatron.core.pipeline_parallel.schedules.create_cudagraphs", _create_cudagraphs, "training"),
+    _Patch("megatron.training.training.train", _train, "training"),
 )
 FEATURES = ("dispatcher", "experts", "arguments", "training")
 
