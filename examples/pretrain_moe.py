@@ -114,6 +114,7 @@ with quiet_imports_in_a_dry_run():
         HybridEPOptions,
         deep_ep_import_error,
         flag,
+        requested_implementation,
         resolve_implementation,
     )
     from megatron_ext.patches._moe_layer import check_experts, select_experts
@@ -388,7 +389,7 @@ def moe_submodules(args, config):
 def describe(args, config, spec_experts, built_experts) -> list[tuple[str, object]]:
     """What a run with these arguments would build, as (name, value) pairs."""
     options = HybridEPOptions.from_config(config)
-    implementation = resolve_implementation(options.implementation, config.hidden_size)
+    implementation = resolve_implementation(requested_implementation(options), config.hidden_size)
     deep_ep_missing = deep_ep_import_error()
     rows = [
         ("world size", args.world_size),
