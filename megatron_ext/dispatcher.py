@@ -726,6 +726,19 @@ def layer_implementation(config: Any, options: HybridEPOptions, group: Optional[
     return agreed_implementation(options, config.hidden_size, group if hybridep else None)
 
 
+def dispatch_managers(model: Any) -> list[HybridEPCapacityManager]:
+    """megatron-ext's dispatch managers of `model` (a module or Megatron's list of chunks), blocking
+    or capacity mode, in module order."""
+    chunks = model if isinstance(model, (list, tuple)) else [model]
+    found = []
+    for chunk in chunks:
+        for module in chunk.modules():
+            manager = getattr(getattr(module, "token_dispatcher", None), "capacity_manager", None)
+            if isinstance(manager, HybridEPCapacityManager):
+                found.append(manager)
+    return found
+
+
 # Megatron's deep_ep tuning flags and their defaults: megatron-ext passes them to deep_ep's buffer
 # (`DeepEPTuning`); the torch implementation's kernels have no equivalent.
 DEEP_EP_TUNING = (

@@ -53,7 +53,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from megatron_ext.dispatcher import HybridEPCapacityManager, group_device
+from megatron_ext.dispatcher import HybridEPCapacityManager, dispatch_managers, group_device
 from megatron_ext.logs import once_per_job
 
 logger = logging.getLogger(__name__)
@@ -61,14 +61,7 @@ logger = logging.getLogger(__name__)
 
 def capacity_managers(model: Any) -> list[HybridEPCapacityManager]:
     """The capacity-mode dispatch managers of `model` (a module or Megatron's list of chunks)."""
-    chunks = model if isinstance(model, (list, tuple)) else [model]
-    found = []
-    for chunk in chunks:
-        for module in chunk.modules():
-            manager = getattr(getattr(module, "token_dispatcher", None), "capacity_manager", None)
-            if isinstance(manager, HybridEPCapacityManager) and manager.options.capacity_factor is not None:
-                found.append(manager)
-    return found
+    return [m for m in dispatch_managers(model) if m.options.capacity_factor is not None]
 
 
 # Whether this process runs capacity mode in Megatron's training loop (set by OverflowRerun on its

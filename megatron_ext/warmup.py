@@ -21,23 +21,10 @@ from typing import Any
 
 import torch
 
-from megatron_ext.dispatcher import HybridEPCapacityManager, group_device
+from megatron_ext.dispatcher import HybridEPCapacityManager, dispatch_managers, group_device
 from megatron_ext.logs import once_per_job
 
 logger = logging.getLogger(__name__)
-
-
-def dispatch_managers(model: Any) -> list[HybridEPCapacityManager]:
-    """megatron-ext's dispatch managers of `model` (a module or Megatron's list of chunks), blocking
-    or capacity mode, in module order."""
-    chunks = model if isinstance(model, (list, tuple)) else [model]
-    found = []
-    for chunk in chunks:
-        for module in chunk.modules():
-            manager = getattr(getattr(module, "token_dispatcher", None), "capacity_manager", None)
-            if isinstance(manager, HybridEPCapacityManager):
-                found.append(manager)
-    return found
 
 
 def tokens_per_rank(config: Any, seq_length: int, micro_batch_size: int) -> int:
