@@ -269,6 +269,7 @@ def test_a_mode_that_differs_fails_the_run_by_name():
         (["--skew=-inf"], "--skew -inf: use a finite number"),
         (["--plot", "/proc/out.png"], "--plot /proc/out.png: cannot write there"),  # os.access says yes to root
         (["--capcity-factor", "2"], "unrecognized arguments: --capcity-factor 2"),
+        (["--deep-ep-num-sms", "0"], "--deep-ep-num-sms must be at least 1 (leave it out for deep_ep's default)"),
     ],
 )
 def test_bad_arguments_are_refused_with_the_fix(argv, message, capsys, monkeypatch):
@@ -459,6 +460,19 @@ def test_size_names_a_stack(name, fields, monkeypatch):
     args = _parse(["--size", name], monkeypatch)
     assert _fields(args) == fields
     assert sizes_of(args).size == name
+
+
+def test_deep_ep_sm_count_reaches_every_modes_config(monkeypatch):
+    """--deep-ep-num-sms becomes every mode's --moe-flex-dispatcher-num-sms (None when left out)."""
+    from megatron_ext.bench.cli import sizes_of
+    from megatron_ext.bench.modes import select
+    from megatron_ext.bench.stack import megatron_config
+
+    for argv, expected in (([], None), (["--deep-ep-num-sms", "16"], 16)):
+        sizes = sizes_of(_parse(argv, monkeypatch))
+        for mode in select(["capacity+equal", "megatron"], 1.5):  # deep_ep's modes need deep_ep to build
+            config = megatron_config(sizes, 1, torch.device("cpu"), mode)
+            assert config.moe_flex_dispatcher_num_sms == expected, (mode.name, argv)
 
 
 def test_a_size_flag_overrides_its_field_of_the_size(monkeypatch):

@@ -81,6 +81,14 @@ def parser() -> argparse.ArgumentParser:
         default=1.5,
         help="--moe-hybridep-capacity-factor of capacity modes (1.5)",
     )
+    size.add_argument(
+        "--deep-ep-num-sms",
+        type=int,
+        default=None,
+        help="--moe-flex-dispatcher-num-sms of every mode: the SMs deep_ep's dispatch and combine take "
+        "(Megatron's manager and megatron-ext's alike; the torch implementation has no such setting). "
+        "Default: deep_ep's own",
+    )
     run = p.add_argument_group("the run")
     run.add_argument("--modes", default=None, help="comma-separated modes to run (blocking always runs); default all")
     run.add_argument(
@@ -159,6 +167,8 @@ def parse(argv=None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
     if args.warmup < 0:
         p.error("--warmup must be at least 0")
+    if args.deep_ep_num_sms is not None and args.deep_ep_num_sms < 1:
+        p.error("--deep-ep-num-sms must be at least 1 (leave it out for deep_ep's default)")
     if not math.isfinite(args.skew):
         p.error(f"--skew {args.skew}: use a finite number (0 balances the routing, 1 skews it strongly)")
     if not 1 <= args.topk <= args.experts:
@@ -241,6 +251,7 @@ def sizes_of(args) -> Sizes:
         seed=args.seed,
         runahead_sleep_ms=args.runahead_sleep_ms,
         repeat=args.repeat,
+        deep_ep_num_sms=args.deep_ep_num_sms,
         size=getattr(args, "size", None),
     )
 

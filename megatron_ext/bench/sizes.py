@@ -30,6 +30,7 @@ class Sizes:
     seed: int
     runahead_sleep_ms: float = 300.0
     repeat: int = 1
+    deep_ep_num_sms: Optional[int] = None  # --moe-flex-dispatcher-num-sms of every mode (None: deep_ep's default)
     size: Optional[str] = None  # the `--size` preset the stack came from, if any (flags may override it)
 
     @property

@@ -65,6 +65,7 @@ def megatron_config(sizes: Sizes, world_size: int, device: torch.device, mode: M
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
         use_cpu_initialization=device.type == "cpu",
+        moe_flex_dispatcher_num_sms=sizes.deep_ep_num_sms,
     )
     return HybridEPTransformerConfig(**{**base, **mode.overrides})
 
