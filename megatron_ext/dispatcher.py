@@ -367,9 +367,11 @@ class HybridEPCapacityManager:
         tokens of training's shape (`num_tokens` per rank, the hidden size and dtype of the config):
         deep_ep compiles its dispatch and combine kernels on their first use, and Triton its
         kernels, so a step that follows starts with both ready. Collective over the layer's group:
-        every rank of it calls this with the same `num_tokens`. Capacity mode runs a non-blocking
-        dispatch too, sized to the blocking one's rows. Nothing of the layer's state changes: no
-        calibration, no counter, no statistic."""
+        every rank of it calls this with the same `num_tokens`. In capacity mode the torch
+        implementation runs a non-blocking dispatch too (its own kernels), sized to the blocking
+        one's rows; deep_ep's non-blocking kernels are compiled per capacity, which only the
+        calibration decides, so a warm-up at another one would compile for nothing. Nothing of the
+        layer's state changes: no calibration, no counter, no statistic."""
         padded = self._warm_up_tokens(num_tokens)
         buffer = self._buffer(self.config.hidden_size, padded)
         # Token t picks experts t*k .. t*k + k-1 (mod E): every expert gets rows, on every rank alike.
@@ -382,7 +384,8 @@ class HybridEPCapacityManager:
         tokens = torch.zeros(padded, self.config.hidden_size, dtype=self.config.params_dtype, device=device)
         tokens.requires_grad_(True)
         capacity: Optional[int] = None
-        for _ in range(1 if self.options.capacity_factor is None else 2):
+        non_blocking = self.options.capacity_factor is not None and self.implementation == "torch"
+        for _ in range(2 if non_blocking else 1):
             rows, _, _, handle = autograd.dispatch(
                 buffer,
                 tokens,

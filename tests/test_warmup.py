@@ -78,6 +78,28 @@ def blocking_layers_are_warmed_too(rank, world):
     assert _manager(layer).last_buffer is built
 
 
+def deep_ep_is_warmed_blocking_only(rank, world):
+    """deep_ep compiles its non-blocking kernels per capacity, which the calibration decides: its
+    warm-up in capacity mode runs the blocking dispatch alone (deep_ep stood in by our buffer)."""
+    import sys
+
+    from megatron_ext.hybridep import TorchHybridEPBuffer, buffers
+    from megatron_ext.warmup import warm_up
+
+    class StandIn(TorchHybridEPBuffer):
+        pass
+
+    buffers.release_buffers()
+    sys.modules["deep_ep"] = types.SimpleNamespace(HybridEPBuffer=StandIn)
+    try:
+        flags = dict(**FLEX, hidden_size=128, moe_hybridep_capacity_factor=1.5, moe_hybridep_implementation="deep_ep")
+        assert warm_up(moe_layer(make_config(world, **flags), experts="grouped"), TOKENS) == 1
+    finally:
+        del sys.modules["deep_ep"]
+    ((built, _, _),) = buffers._BUFFERS.values()
+    assert type(built) is StandIn and built.routing_map_gather.stats.gathers == 1
+
+
 def warm_up_before_training_reads_megatrons_shape(rank, world):
     """With --moe-hybridep-warm-up, the training patch's hook warms at --seq-length x
     --micro-batch-size tokens per rank (split over SP's TP ranks and CP); without it, nothing."""
@@ -104,6 +126,7 @@ CHECKS = (
     warm_up_builds_the_buffer_and_changes_no_layer_state,
     warm_up_refuses_no_tokens,
     blocking_layers_are_warmed_too,
+    deep_ep_is_warmed_blocking_only,
     warm_up_before_training_reads_megatrons_shape,
 )
 
