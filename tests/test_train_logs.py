@@ -24,10 +24,13 @@ def test_logs_are_compared_with_the_first_at_every_iteration():
         "drifted": _log([(i, 5.0, loss if i < 12 else "9.9E+00", norm) for i, _, loss, norm in rows]),
     }
     lines = train_logs.table(logs).splitlines()
-    # median of iterations 11-14: 22, 20, 21, 22 ms -> 21.5; 1024 tokens per iteration on 1 GPU
-    # the largest rank's use: 0.700 and 0.701 in turn over 14 iterations -> 0.7005
-    assert lines[2] == "| blocking | 14 | reference | 21.5 | 47,628 | 0.667 | 0.700 | 0 | 0 |", lines[2]
-    assert lines[3] == "| graphed | 14 | identical | 5.0 | 204,800 | 0.667 | 0.700 | 0 | 0 |", lines[3]
+    # median of iterations 11-14: 22, 20, 21, 22 ms -> 21.5; the first iteration's 21.0 as printed;
+    # 1024 tokens per iteration on 1 GPU; the largest rank's use: 0.700 and 0.701 in turn over 14
+    # iterations -> 0.7005
+    assert lines[2] == "| blocking | 14 | reference | 21.5 | 21.0 | 47,628 | 0.667 | 0.700 | 0 | 0 |", lines[2]
+    assert lines[3] == "| graphed | 14 | identical | 5.0 | 5.0 | 204,800 | 0.667 | 0.700 | 0 | 0 |", lines[3]
+    late = train_logs.table({"resumed": _log([(i, 900.0 if i == 7 else 20.0, "1.0E+01", "4.0") for i in (7, 8)])})
+    assert late.splitlines()[2].startswith("| resumed | 2 | reference | - | 900.0 |"), late  # its first logged
     assert lines[4].startswith("| drifted | 14 | differs: iteration 12: lm loss 1.012E+01 against 9.9E+00 |"), lines[4]
 
 

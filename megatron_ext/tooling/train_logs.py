@@ -4,7 +4,9 @@
 
 Prints a markdown table: per log, the iterations logged, whether the lm loss, load-balancing loss
 and grad norm equal the first log's at every iteration (as printed), else the first difference,
-the median time per iteration after the first 10, tokens/s/GPU from Megatron's argument listing,
+the median time per iteration after the first 10 and the first iteration's time (the compile and
+calibration work a run pays once: `--moe-hybridep-warm-up` moves some of it before the loop),
+tokens/s/GPU from Megatron's argument listing,
 the means of megatron-ext's capacity-use metrics (over ranks, and the largest rank's), and the
 steps re-run after an overflow and the capacity growths megatron-ext logged.
 `examples/compare_modes.py` (blocking against capacity mode) reads its logs with the same
@@ -23,6 +25,7 @@ COMPARED = ("lm loss", "load_balancing_loss", "grad norm")  # as printed by Mega
 CAPACITY_USE = "hybridep_capacity_use"
 CAPACITY_USE_MAX = "hybridep_capacity_use_max"
 SKIP_ITERS = 10
+STEP_MS = "elapsed time per iteration (ms)"
 ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|")
 FIELD = re.compile(r"\|\s*([^|:]+?):\s*([^|]+?)\s*(?=\|)")
 RERUN = re.compile(r"run again with blocking dispatches \(re-run (\d+)\)")
@@ -51,8 +54,7 @@ def parse_log(text: str) -> dict[int, dict[str, str]]:
 
 def step_ms(iterations: dict[int, dict[str, str]], skip: int) -> list[float]:
     """Megatron's elapsed time per iteration (ms), for the iterations after `skip`."""
-    key = "elapsed time per iteration (ms)"
-    return [float(f[key]) for i, f in sorted(iterations.items()) if i > skip and key in f]
+    return [float(f[STEP_MS]) for i, f in sorted(iterations.items()) if i > skip and STEP_MS in f]
 
 
 def reruns_and_growths(text: str) -> tuple[int, int]:
@@ -90,13 +92,14 @@ def table(logs: dict[str, str]) -> str:
     reference_name, reference = next(iter(parsed.items()))
     lines = [
         f"| run | iterations | {', '.join(COMPARED)} against {reference_name} | ms/iteration (median after "
-        f"{SKIP_ITERS}) | tokens/s/GPU | {CAPACITY_USE} (mean) | {CAPACITY_USE_MAX} (mean) | re-runs "
-        "| capacity growths |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        f"{SKIP_ITERS}) | first iteration ms | tokens/s/GPU | {CAPACITY_USE} (mean) | {CAPACITY_USE_MAX} (mean) "
+        "| re-runs | capacity growths |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for name, iterations in parsed.items():
         times = step_ms(iterations, SKIP_ITERS)
         ms = statistics.median(times) if times else None
+        first = iterations[min(iterations)].get(STEP_MS, "-") if iterations else "-"
         shape = tokens_per_step_and_gpus(logs[name])
         rate = f"{shape[0] / (ms / 1e3) / shape[1]:,.0f}" if ms and shape else "-"
         uses = [[float(v[key]) for v in iterations.values() if key in v] for key in (CAPACITY_USE, CAPACITY_USE_MAX)]
@@ -104,7 +107,7 @@ def table(logs: dict[str, str]) -> str:
         same = "reference" if name == reference_name else ("identical" if diff is None else f"differs: {diff}")
         reruns, growths = reruns_and_growths(logs[name])
         lines.append(
-            f"| {name} | {len(iterations)} | {same} | {'-' if ms is None else f'{ms:.1f}'} | {rate} "
+            f"| {name} | {len(iterations)} | {same} | {'-' if ms is None else f'{ms:.1f}'} | {first} | {rate} "
             + "".join(f"| {f'{statistics.mean(use):.3f}' if use else '-'} " for use in uses)
             + f"| {reruns} | {growths} |"
         )
