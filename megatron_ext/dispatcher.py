@@ -160,6 +160,12 @@ CAPACITY_USE_METRIC = "hybridep_capacity_use"
 CAPACITY_USE_MAX_METRIC = "hybridep_capacity_use_max"
 
 
+def numbered_layers(config: Any) -> int:
+    """The model's transformer layers (with multi-token prediction's), as Megatron's MoE metrics
+    number them: the same on every rank, a pipeline stage with no MoE layer too."""
+    return config.num_layers + (getattr(config, "mtp_num_layers", None) or 0)
+
+
 def device_message(text: str) -> str:
     """`text` cut to what a CUDA device-side assert carries (fewer than 255 characters)."""
     return text if len(text) < DEVICE_MESSAGE_LIMIT else text[: DEVICE_MESSAGE_LIMIT - 4] + "..."
@@ -588,9 +594,8 @@ class HybridEPCapacityManager:
             return
         from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 
-        num_layers = self.config.num_layers + (getattr(self.config, "mtp_num_layers", None) or 0)
         get_moe_metrics_tracker().record(
-            CAPACITY_USE_METRIC, rows.float() / self.capacity, self.layer_number, num_layers
+            CAPACITY_USE_METRIC, rows.float() / self.capacity, self.layer_number, numbered_layers(self.config)
         )
 
     def record_capacity_use_max(self, use: torch.Tensor, num_microbatches: int) -> None:
@@ -601,8 +606,9 @@ class HybridEPCapacityManager:
             return
         from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 
-        num_layers = self.config.num_layers + (getattr(self.config, "mtp_num_layers", None) or 0)
-        get_moe_metrics_tracker().record(CAPACITY_USE_MAX_METRIC, use * num_microbatches, self.layer_number, num_layers)
+        get_moe_metrics_tracker().record(
+            CAPACITY_USE_MAX_METRIC, use * num_microbatches, self.layer_number, numbered_layers(self.config)
+        )
 
     def headroom_threshold(self) -> Optional[int]:
         """Rows above which the layer's headroom is thin: half of the padding above the calibrated

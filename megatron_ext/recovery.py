@@ -53,7 +53,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from megatron_ext.dispatcher import HybridEPCapacityManager, dispatch_managers, group_device
+from megatron_ext.dispatcher import HybridEPCapacityManager, dispatch_managers, group_device, numbered_layers
 from megatron_ext.logs import once_per_job
 
 logger = logging.getLogger(__name__)
@@ -357,7 +357,7 @@ class OverflowRerun:
             manager.reset_rows_used()
         try:
             result = step(**kwargs)
-            overflowed, thin, uses = self._check(managers, overflows_before, _numbered_layers(_config(model)))
+            overflowed, thin, uses = self._check(managers, overflows_before, numbered_layers(_config(model)))
             calibrated = [m for m, before in zip(managers, overflows_before, strict=True) if before is not None]
             _record_largest_use(calibrated, uses, kwargs["num_microbatches"])
             if not overflowed:
@@ -404,12 +404,6 @@ class OverflowRerun:
         finally:
             for manager in managers:
                 manager.record_overflow, manager.force_blocking = False, False
-
-
-def _numbered_layers(config: Any) -> int:
-    """The model's transformer layers (with multi-token prediction's): the same on every rank, a
-    pipeline stage with no MoE layer too."""
-    return config.num_layers + (getattr(config, "mtp_num_layers", None) or 0)
 
 
 def _record_largest_use(managers: list[HybridEPCapacityManager], uses: torch.Tensor, num_microbatches: int) -> None:
