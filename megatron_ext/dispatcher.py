@@ -345,30 +345,13 @@ class HybridEPCapacityManager:
 
     # ----------------------------------------------------------- warm-up
 
-    def warm_up_key(self, num_tokens: int) -> tuple:
-        """What decides the buffer and the kernels a warm-up of `num_tokens` tokens prepares:
-        layers with the same key share them, so one warm-up serves them all."""
-        return (
-            self.implementation,
-            self.group,
-            self.num_local_experts,
-            self.options.reuse_allgather_buffer,
-            self.options.transport,
-            self.deep_ep_tuning,
-            self.compact_routing_topk,
-            self.config.hidden_size,
-            self.pad_multiple,
-            self.options.capacity_factor is not None,
-            self._warm_up_tokens(num_tokens),
-        )
-
     def _warm_up_tokens(self, num_tokens: int) -> int:
         """The tokens a dispatch of `num_tokens` (the same on every rank) hands HybridEP."""
         if self.options.equal_token_counts or self.config.moe_hybridep_pad_uneven_dispatch_inputs:
             return equal_count_padding(num_tokens, TOKEN_ALIGNMENT)
         return num_tokens
 
-    def warm_up(self, num_tokens: int, device: torch.device) -> None:
+    def warm_up(self, num_tokens: int, device: torch.device, warmed: set) -> bool:
         """Build this layer's buffer and run its kernels once, forward and backward, on made-up
         tokens of training's shape (`num_tokens` per rank, the hidden size and dtype of the config):
         deep_ep compiles its dispatch and combine kernels on their first use, and Triton its
@@ -377,9 +360,16 @@ class HybridEPCapacityManager:
         implementation runs a non-blocking dispatch too (its own kernels), sized to the blocking
         one's rows; deep_ep's non-blocking kernels are compiled per capacity, which only the
         calibration decides, so a warm-up at another one would compile for nothing. Nothing of the
-        layer's state changes: no calibration, no counter, no statistic."""
+        layer's state changes: no calibration, no counter, no statistic. `warmed` holds what earlier
+        layers warmed (their shared buffer, tokens, pad multiple and passes): a layer that would run
+        the same kernels on the same buffer skips, and False says so."""
         padded = self._warm_up_tokens(num_tokens)
         buffer = self._buffer(self.config.hidden_size, padded)
+        non_blocking = self.options.capacity_factor is not None and self.implementation == "torch"
+        key = (buffer, padded, self.pad_multiple, non_blocking)
+        if key in warmed:
+            return False
+        warmed.add(key)
         # Token t picks experts t*k .. t*k + k-1 (mod E): every expert gets rows, on every rank alike.
         topk = self.config.moe_router_topk
         picks = (
@@ -390,7 +380,6 @@ class HybridEPCapacityManager:
         tokens = torch.zeros(padded, self.config.hidden_size, dtype=self.config.params_dtype, device=device)
         tokens.requires_grad_(True)
         capacity: Optional[int] = None
-        non_blocking = self.options.capacity_factor is not None and self.implementation == "torch"
         for _ in range(2 if non_blocking else 1):
             rows, _, _, handle = autograd.dispatch(
                 buffer,
@@ -406,6 +395,7 @@ class HybridEPCapacityManager:
                 buffer, rows, handle, num_permuted_tokens=capacity, pad_multiple=self.pad_multiple
             )
             combined.float().sum().backward()
+        return True
 
     # ----------------------------------------------------------- Megatron's manager interface
 

@@ -52,22 +52,18 @@ def warm_up(model: Any, num_tokens: int) -> int:
     if num_tokens < 1:
         raise ValueError(f"warm_up: num_tokens must be a positive number of tokens per rank, got {num_tokens}")
     started = time.monotonic()
-    done: set[tuple] = set()
+    warmed: set[tuple] = set()
     for manager in dispatch_managers(model):
-        key = manager.warm_up_key(num_tokens)
-        if key in done:
-            continue
-        done.add(key)
-        manager.warm_up(num_tokens, _device(manager))
-    if done:
+        manager.warm_up(num_tokens, _device(manager), warmed)
+    if warmed:
         logger.log(
             once_per_job(logging.INFO),
             "megatron-ext: warmed %d HybridEP dispatch(es) for %d tokens per rank in %.1f s.",
-            len(done),
+            len(warmed),
             num_tokens,
             time.monotonic() - started,
         )
-    return len(done)
+    return len(warmed)
 
 
 def warm_up_before_training(model: Any) -> int:
