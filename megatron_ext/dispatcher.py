@@ -52,7 +52,7 @@ from megatron_ext import budget as budgets
 from megatron_ext.capacity import budget_from_rows, capacity_from_rows, equal_count_padding, half_headroom
 from megatron_ext.hybridep import autograd, overflow_flag
 from megatron_ext.hybridep.buffers import get_buffer
-from megatron_ext.hybridep.deep_ep_buffer import DeepEPTuning
+from megatron_ext.hybridep.deep_ep_buffer import DeepEPTuning, tuning_flags_set
 from megatron_ext.hybridep.protocol import Handle, HybridEPBuffer
 from megatron_ext.logs import once_per_group
 from megatron_ext.options import (
@@ -738,23 +738,6 @@ def dispatch_managers(model: Any) -> list[HybridEPCapacityManager]:
     return found
 
 
-# Megatron's deep_ep tuning flags and their defaults: megatron-ext passes them to deep_ep's buffer
-# (`DeepEPTuning`); the torch implementation's kernels have no equivalent.
-DEEP_EP_TUNING = (
-    ("moe_flex_dispatcher_num_sms", None),
-    ("moe_hybridep_num_blocks_permute", None),
-    ("moe_hybridep_num_blocks_unpermute", None),
-    ("moe_hybridep_num_sms_preprocessing", 108),
-)
-
-
-def deep_ep_tuning_set(config: Any) -> list[str]:
-    """The deep_ep tuning flags set away from Megatron's defaults on `config`, as flags."""
-    return [
-        "--" + name.replace("_", "-") for name, default in DEEP_EP_TUNING if getattr(config, name, default) != default
-    ]
-
-
 class HybridEPTokenDispatcher(MoEFlexTokenDispatcher):
     """Megatron's flex dispatcher, with megatron-ext's manager for the hybridep backend.
 
@@ -793,7 +776,7 @@ class HybridEPTokenDispatcher(MoEFlexTokenDispatcher):
             implementation=implementation,
         )
         self.cudagraph_attrs = ["_comm_manager.token_probs", "_comm_manager.routing_map"]
-        tuning = deep_ep_tuning_set(config)
+        tuning = tuning_flags_set(config)
         if tuning and implementation == "torch":
             logger.log(
                 once_per_group(logging.INFO, self.tp_ep_group),

@@ -535,15 +535,14 @@ def test_deep_ep_tuning_flags_reach_deep_eps_constructor_as_megatron_passes_them
     """Megatron's tuning flags, parsed, become deep_ep's constructor keywords as Megatron-Core
     0.19.2 maps them (one SM count for dispatch and combine; the preprocessing default 108 passed
     as it is), and the torch implementation's note names the real flags."""
-    from megatron_ext.dispatcher import deep_ep_tuning_set
-    from megatron_ext.hybridep.deep_ep_buffer import DeepEPTuning
+    from megatron_ext.hybridep.deep_ep_buffer import DeepEPTuning, tuning_flags_set
 
-    assert deep_ep_tuning_set(parse(patched, monkeypatch)) == []
+    assert tuning_flags_set(parse(patched, monkeypatch)) == []
     assert DeepEPTuning.from_config(parse(patched, monkeypatch)).keywords() == {"num_sms_preprocessing_api": 108}
     tuning = ["--moe-flex-dispatcher-num-sms", "24", "--moe-hybridep-num-blocks-permute", "8"]
     tuning += ["--moe-hybridep-num-blocks-unpermute", "6", "--moe-hybridep-num-sms-preprocessing", "64"]
     config = parse(patched, monkeypatch, *tuning)
-    assert deep_ep_tuning_set(config) == tuning[::2]
+    assert tuning_flags_set(config) == tuning[::2]
     assert DeepEPTuning.from_config(config).keywords() == {
         "num_sms_dispatch_api": 24,
         "num_sms_combine_api": 24,

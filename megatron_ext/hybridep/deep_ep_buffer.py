@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from megatron_ext.hybridep.protocol import HybridEPBuffer
 from megatron_ext.logs import once_per_group
-from megatron_ext.options import HybridEPConfigError, accepts_keyword
+from megatron_ext.options import HybridEPConfigError, accepts_keyword, flag
 
 logger = logging.getLogger(__name__)
 
@@ -53,11 +53,35 @@ def custom_allgather_reason(group: dist.ProcessGroup, num_tokens: int, num_exper
     return map_alignment_reason(num_tokens, num_experts)
 
 
+# Megatron's deep_ep tuning flags (config fields) and their defaults in Megatron-Core 0.19.2.
+MEGATRON_TUNING_DEFAULTS = {
+    "moe_flex_dispatcher_num_sms": None,
+    "moe_hybridep_num_blocks_permute": None,
+    "moe_hybridep_num_blocks_unpermute": None,
+    "moe_hybridep_num_sms_preprocessing": 108,
+}
+# deep_ep's constructor keyword -> the field whose value Megatron passes it (one SM count for
+# dispatch and combine; the preprocessing default 108 passed as it is).
+_FIELD_OF_KEYWORD = {
+    "num_sms_dispatch_api": "moe_flex_dispatcher_num_sms",
+    "num_sms_combine_api": "moe_flex_dispatcher_num_sms",
+    "num_sms_preprocessing_api": "moe_hybridep_num_sms_preprocessing",
+    "num_blocks_permute": "moe_hybridep_num_blocks_permute",
+    "num_blocks_unpermute": "moe_hybridep_num_blocks_unpermute",
+}
+
+
+def tuning_flags_set(config: Any) -> list[str]:
+    """The deep_ep tuning flags set away from Megatron's defaults on `config`, as flags."""
+    defaults = MEGATRON_TUNING_DEFAULTS.items()
+    return [flag(name) for name, default in defaults if getattr(config, name, default) != default]
+
+
 @dataclass(frozen=True)
 class DeepEPTuning:
     """How many SMs and blocks deep_ep's HybridEP kernels take: Megatron's tuning flags, mapped onto
     `deep_ep.HybridEPBuffer`'s constructor as Megatron-Core 0.19.2 maps them for its own buffer
-    (`init_hybrid_ep_buffer`): one SM count for dispatch and combine. None leaves deep_ep's default."""
+    (`init_hybrid_ep_buffer`). None leaves deep_ep's default."""
 
     num_sms_dispatch_api: Optional[int] = None
     num_sms_combine_api: Optional[int] = None
@@ -65,26 +89,9 @@ class DeepEPTuning:
     num_blocks_permute: Optional[int] = None
     num_blocks_unpermute: Optional[int] = None
 
-    # Each constructor keyword's flag, for messages.
-    FLAGS = {
-        "num_sms_dispatch_api": "--moe-flex-dispatcher-num-sms",
-        "num_sms_combine_api": "--moe-flex-dispatcher-num-sms",
-        "num_sms_preprocessing_api": "--moe-hybridep-num-sms-preprocessing",
-        "num_blocks_permute": "--moe-hybridep-num-blocks-permute",
-        "num_blocks_unpermute": "--moe-hybridep-num-blocks-unpermute",
-    }
-
     @classmethod
     def from_config(cls, config: Any) -> DeepEPTuning:
-        sms = getattr(config, "moe_flex_dispatcher_num_sms", None)
-        return cls(
-            num_sms_dispatch_api=sms,
-            num_sms_combine_api=sms,
-            # Megatron's default for this flag is 108, which it passes to deep_ep as it is.
-            num_sms_preprocessing_api=getattr(config, "moe_hybridep_num_sms_preprocessing", None),
-            num_blocks_permute=getattr(config, "moe_hybridep_num_blocks_permute", None),
-            num_blocks_unpermute=getattr(config, "moe_hybridep_num_blocks_unpermute", None),
-        )
+        return cls(**{keyword: getattr(config, name, None) for keyword, name in _FIELD_OF_KEYWORD.items()})
 
     def keywords(self) -> dict[str, int]:
         """The constructor keywords that are set."""
@@ -95,7 +102,7 @@ def _tuning_keywords(buffer_class: Any, tuning: DeepEPTuning) -> dict[str, int]:
     """`tuning`'s keywords, refused by flag where this deep_ep build's constructor lacks one."""
     keywords = tuning.keywords()
     missing = sorted(
-        {DeepEPTuning.FLAGS[name] for name in keywords if not accepts_keyword(buffer_class, "__init__", name)}
+        {flag(_FIELD_OF_KEYWORD[name]) for name in keywords if not accepts_keyword(buffer_class, "__init__", name)}
     )
     if missing:
         raise HybridEPConfigError(
