@@ -512,6 +512,8 @@ def test_profile_and_kernels_take_the_size_too(capsys):
     assert (default.layers, default.tokens, default.size) == (2, 256, None)
     # A namespace built by hand, sizes left None: filled from its size as the parser would.
     assert profile.sizes_from(argparse.Namespace(size="mid", layers=None, modes=None)).tokens == 4096
+    # deep_ep's SM count reaches the profiled stack as it reaches the bench's.
+    assert profile.sizes_from(profile.parser().parse_args(["--deep-ep-num-sms", "16"])).deep_ep_num_sms == 16
     with pytest.raises(SystemExit) as exit_info:
         profile.main(["--size", "huge"])
     assert exit_info.value.code == 2 and "invalid choice: 'huge'" in capsys.readouterr().err

@@ -70,3 +70,38 @@ def test_nonblocking_step_runs_ahead_and_blocking_waits(nccl_group):
     print(f"\nnon-blocking step: {non_blocking}\nblocking step: {blocking}")
     assert not non_blocking.waited, f"non-blocking step waited for the GPU: {non_blocking}"
     assert blocking.waited, f"the probe did not see the blocking dispatch's host read: {blocking}"
+
+
+def test_compact_routing_gather_replays_in_a_cuda_graph(nccl_group):
+    """Compact routing's device work (map -> top-k indices, the gather, the over-k assert, the
+    expansion) captured once and replayed on fresh maps, no host read, each replay giving back its
+    map. One NCCL rank: the gather is called as at several ranks (a group of one skips it)."""
+    from megatron_ext.hybridep.allgather import RoutingMapGather
+    from megatron_ext.tooling.sync import forbid_host_sync
+
+    T, E, K = 512, 64, 8
+    gather = RoutingMapGather(nccl_group, reuse=True, topk=K)
+    gen = torch.Generator(device="cuda").manual_seed(3)
+
+    def fresh_map() -> torch.Tensor:  # top-K rows, and rows of fewer experts (empty slots)
+        m = torch.zeros(T, E, dtype=torch.bool, device="cuda")
+        m.scatter_(1, torch.rand(T, E, device="cuda", generator=gen).topk(K, 1).indices, True)
+        keep = torch.rand(T, E, device="cuda", generator=gen) < 0.7
+        return m & keep
+
+    static_map = fresh_map()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        gather._gather_compact(static_map)  # allocates the reused storage outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, sent = gather._gather_compact(static_map)
+    assert sent == 0  # one rank sends nothing to others
+    for _ in range(4):
+        m = fresh_map()
+        with forbid_host_sync():
+            static_map.copy_(m)
+            graph.replay()
+        assert torch.equal(out, m), "a replayed compact gather did not give back the map"

@@ -139,8 +139,11 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:9.1f} MiB"
 
 
-def main(argv=None) -> int:
-    p = size_arguments("python -m megatron_ext.bench.profile", __doc__.split("\n\n")[0], ("capacity_factor", "seed"))
+def parser() -> argparse.ArgumentParser:
+    """The profile's flags: the bench's sizes, modes, capacity factor, seed and deep_ep SM count, and its own."""
+    p = size_arguments(
+        "python -m megatron_ext.bench.profile", __doc__.split("\n\n")[0], ("capacity_factor", "seed", "deep_ep_num_sms")
+    )
     p.add_argument("--steps", type=int, default=2, help="profiled steps per mode (default 2)")
     p.add_argument("--warmup", type=int, default=3, help="steps before profiling (default 3)")
     p.add_argument("--out", default="profile", help="folder for the tables and snapshots (default profile/)")
@@ -151,6 +154,11 @@ def main(argv=None) -> int:
         default=None,
         help="make the bench's fp8 modes selectable, in this recipe (GPU with Transformer Engine)",
     )
+    return p
+
+
+def main(argv=None) -> int:
+    p = parser()
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU (it profiles GPU kernels)")
