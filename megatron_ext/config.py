@@ -94,7 +94,15 @@ class HybridEPTransformerConfig(TransformerConfig):
     training shape (--seq-length x --micro-batch-size per rank), so that deep_ep's and Triton's
     kernels compile there, every pipeline stage at once, instead of inside the first step. Changes
     no layer state (capacity mode still calibrates on the first real step). Keep deep_ep's compiled
-    kernels across jobs with HYBRID_EP_CACHE_DIR on a persistent disk."""
+    kernels across jobs with --moe-hybridep-kernel-cache."""
+
+    moe_hybridep_kernel_cache: Optional[str] = None
+    """[megatron-ext] A folder that keeps deep_ep's compiled HybridEP kernels across jobs: each
+    process loads the kernels stored there before its first deep_ep buffer is built, and stores
+    the ones it compiled after the warm-up (--moe-hybridep-warm-up) and at exit. deep_ep alone
+    compiles into a folder of the process (HYBRID_EP_CACHE_DIR/.deepep/hybrid_ep/jit/proc-PID) that
+    no later job reads. One sub-folder per deep_ep build, CUDA version and GPU architecture. Put it
+    on a disk that outlives the job and that the job's nodes share. deep_ep only."""
 
     def __post_init__(self):
         # Megatron refuses `--cuda-graph-modules moe` for every MoE but drop-and-pad ones (a dropless

@@ -57,6 +57,7 @@ from megatron_ext.hybridep.protocol import Handle, HybridEPBuffer
 from megatron_ext.logs import once_per_group
 from megatron_ext.options import (
     AUTO,
+    KERNEL_CACHE_FLAG,
     HybridEPConfigError,
     HybridEPOptions,
     deep_ep_import_error,
@@ -341,6 +342,7 @@ class HybridEPCapacityManager:
             transport=self.options.transport,
             deep_ep_tuning=self.deep_ep_tuning,
             compact_routing_topk=self.compact_routing_topk,
+            kernel_cache=self.options.kernel_cache,
         )
 
     # ----------------------------------------------------------- warm-up
@@ -776,11 +778,11 @@ class HybridEPTokenDispatcher(MoEFlexTokenDispatcher):
             implementation=implementation,
         )
         self.cudagraph_attrs = ["_comm_manager.token_probs", "_comm_manager.routing_map"]
-        tuning = tuning_flags_set(config)
-        if tuning and implementation == "torch":
+        tuning = tuning_flags_set(config) + ([KERNEL_CACHE_FLAG] if options.kernel_cache is not None else [])
+        if tuning and implementation == "torch":  # auto without deep_ep (explicit torch refuses the cache)
             logger.log(
                 once_per_group(logging.INFO, self.tp_ep_group),
-                "megatron-ext: %s tune deep_ep's kernels; the torch implementation's have no such setting, "
+                "megatron-ext: %s apply to deep_ep's kernels; the torch implementation's have no such setting, "
                 "so they have no effect here.",
                 " and ".join(tuning),
             )

@@ -13,6 +13,7 @@ import logging
 import math
 import os
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Any, Final, Literal, Optional, get_args
 
 # The one list of implementation names: `--moe-hybridep-implementation`'s choices (config.py
@@ -54,6 +55,7 @@ class HybridEPOptions:
     static_expert_splits: bool = False
     compact_routing: bool = False
     warm_up: bool = False
+    kernel_cache: Optional[str] = None
 
     @classmethod
     def from_config(cls, config: Any) -> HybridEPOptions:
@@ -196,6 +198,30 @@ def resolve_implementation(requested: str, hidden_size: Optional[int] = None) ->
 
 
 COMPACT_ROUTING_FLAG = flag(CONFIG_PREFIX + "compact_routing")
+KERNEL_CACHE_FLAG = flag(CONFIG_PREFIX + "kernel_cache")
+
+
+def _check_kernel_cache(options: HybridEPOptions) -> None:
+    """--moe-hybridep-kernel-cache keeps deep_ep's compiled kernels: refused where the dispatch
+    cannot be deep_ep's, and for a path that is not a writable folder (or cannot become one)."""
+    if requested_implementation(options) == "torch":
+        why = (
+            f"{COMPACT_ROUTING_FLAG} runs on the torch implementation"
+            if options.implementation == AUTO
+            else f"{flag(CONFIG_PREFIX + 'implementation')} torch"
+        )
+        raise HybridEPConfigError(
+            f"{KERNEL_CACHE_FLAG} keeps deep_ep's compiled kernels, and {why}, whose Triton kernels Triton "
+            "caches itself (TRITON_CACHE_DIR). Drop the flag."
+        )
+    path = Path(options.kernel_cache)
+    existing = next((p for p in (path, *path.parents) if p.exists()), None)
+    if not options.kernel_cache or existing is None or not existing.is_dir() or not os.access(existing, os.W_OK):
+        raise HybridEPConfigError(
+            f"{KERNEL_CACHE_FLAG} {options.kernel_cache!r}: not a folder this process can write, nor one it "
+            "can create. Give a writable folder (on a disk that outlives the job, shared by the job's nodes "
+            "where it can be)."
+        )
 
 
 def requested_implementation(options: HybridEPOptions) -> str:
@@ -585,6 +611,8 @@ def validate(config: Any) -> HybridEPOptions:
             "top-k indices into the dense routing map before its all-gather, so nothing would be saved. Use "
             f"{flag('moe_hybridep_implementation')} torch (or auto, which picks it), or drop {COMPACT_ROUTING_FLAG}."
         )
+    if options.kernel_cache is not None:
+        _check_kernel_cache(options)
     if options.overflow_policy != "rerun" and options.capacity_factor is None:
         raise HybridEPConfigError(
             f"{flag('moe_hybridep_overflow_policy')} {options.overflow_policy} says what a capacity-mode "

@@ -9,8 +9,9 @@ starts, so the stages (each with its own expert-parallel group) compile at the s
 
 In Megatron's training loop `--moe-hybridep-warm-up` runs it before `train` (the patch's training
 feature); other loops call `warm_up(model, num_tokens)` themselves, on every rank, before their
-first step. deep_ep keeps what it compiled in `HYBRID_EP_CACHE_DIR` (see docs/install.md): put it on
-a disk that outlives the job and the next job loads the kernels instead of compiling them.
+first step. With `--moe-hybridep-kernel-cache DIR` the kernels deep_ep compiled here are stored in
+DIR right after the warm-up, and the next job's processes load them instead of compiling them
+(`megatron_ext.hybridep.kernel_cache`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Any
 import torch
 
 from megatron_ext.dispatcher import HybridEPCapacityManager, dispatch_managers, group_device
+from megatron_ext.hybridep import kernel_cache
 from megatron_ext.logs import once_per_job
 
 logger = logging.getLogger(__name__)
@@ -48,13 +50,15 @@ def warm_up(model: Any, num_tokens: int) -> int:
     `num_tokens` tokens per rank, forward and backward; layers that share a buffer and kernels are
     warmed once. Collective: every rank calls it with the same `num_tokens` (each pipeline stage
     warms its own layers over its own groups). Returns how many warm-ups ran. No layer's state
-    changes: calibration, counters and statistics start from the first real step."""
+    changes: calibration, counters and statistics start from the first real step. The kernels
+    deep_ep compiled are stored in `--moe-hybridep-kernel-cache`'s folder where one is set."""
     if num_tokens < 1:
         raise ValueError(f"warm_up: num_tokens must be a positive number of tokens per rank, got {num_tokens}")
     started = time.monotonic()
     warmed: set[tuple] = set()
     for manager in dispatch_managers(model):
         manager.warm_up(num_tokens, _device(manager), warmed)
+    kernel_cache.store_all()  # what deep_ep compiled, for the next job (--moe-hybridep-kernel-cache)
     if warmed:
         logger.log(
             once_per_job(logging.INFO),

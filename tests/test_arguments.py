@@ -74,6 +74,7 @@ HELP_PHRASES = {
     "--moe-hybridep-overflow-policy": "run again with blocking dispatches",
     "--moe-hybridep-transport": "all_to_all_vdev",
     "--moe-hybridep-compact-routing": "top-k expert indices",
+    "--moe-hybridep-kernel-cache": "across jobs",
 }
 TINY = dict(num_layers=1, hidden_size=16, num_attention_heads=1, num_moe_experts=4)
 HYBRIDEP = dict(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="hybridep")
@@ -190,6 +191,7 @@ def test_field_names():
         "moe_hybridep_static_expert_splits",
         "moe_hybridep_compact_routing",
         "moe_hybridep_warm_up",
+        "moe_hybridep_kernel_cache",
     )
     # the options the dispatcher reads are exactly these fields (options.py cannot import Megatron)
     from megatron_ext.options import CONFIG_PREFIX, OPTION_NAMES
@@ -359,6 +361,18 @@ def test_patched_help_lists_flags_and_docstrings(patched, monkeypatch, capsys):
             ["--moe-hybridep-compact-routing", "--moe-token-dispatcher-type", "alltoall"],
             ["--moe-hybridep-compact-routing: megatron-ext's options work with the HybridEP flex dispatcher only"],
         ),
+        (
+            ["--moe-hybridep-kernel-cache", "/tmp/kernels", "--moe-hybridep-implementation", "torch"],
+            ["--moe-hybridep-kernel-cache keeps deep_ep's compiled kernels", "implementation torch", "Drop the flag"],
+        ),
+        (
+            ["--moe-hybridep-kernel-cache", "/tmp/kernels", "--moe-hybridep-compact-routing"],
+            ["--moe-hybridep-kernel-cache keeps deep_ep's compiled kernels", "compact-routing runs on the torch"],
+        ),
+        (
+            ["--moe-hybridep-kernel-cache", __file__ + "/kernels"],
+            ["--moe-hybridep-kernel-cache", "not a folder this process can write", "Give a writable folder"],
+        ),
     ],
     ids=[
         "factor-below-1",
@@ -375,6 +389,9 @@ def test_patched_help_lists_flags_and_docstrings(patched, monkeypatch, capsys):
         "transport-with-deep_ep",
         "compact-routing-with-deep_ep",
         "compact-routing-alltoall",
+        "kernel-cache-with-torch",
+        "kernel-cache-with-compact-routing",
+        "kernel-cache-under-a-file",
     ],
 )
 def test_patched_parse_args_refuses_invalid_combinations(patched, monkeypatch, capsys, extra, expected):
@@ -550,6 +567,14 @@ def test_deep_ep_tuning_flags_reach_deep_eps_constructor_as_megatron_passes_them
         "num_blocks_permute": 8,
         "num_blocks_unpermute": 6,
     }
+
+
+def test_patched_parse_args_takes_a_kernel_cache_folder_to_be_made(patched, monkeypatch, tmp_path):
+    """A folder that does not exist yet, under a writable one, is taken as it is given (made when
+    the first deep_ep buffer stores kernels)."""
+    folder = str(tmp_path / "jobs" / "kernels")
+    assert parse(patched, monkeypatch, "--moe-hybridep-kernel-cache", folder).moe_hybridep_kernel_cache == folder
+    assert parse(patched, monkeypatch).moe_hybridep_kernel_cache is None
 
 
 def test_a_deep_ep_build_without_a_tuning_keyword_is_refused_by_flag(monkeypatch):

@@ -37,6 +37,7 @@ def get_buffer(
     transport: str = "auto",
     deep_ep_tuning: Optional[DeepEPTuning] = None,
     compact_routing_topk: Optional[int] = None,
+    kernel_cache: Optional[str] = None,
 ) -> HybridEPBuffer:
     """The shared buffer for these arguments (`implementation`: one of `BUFFER_IMPLEMENTATIONS`,
     'deep_ep' or 'torch', as `options.resolve_implementation` gives; `transport`: the torch
@@ -86,6 +87,7 @@ def get_buffer(
             num_local_experts,
             reuse_allgather_buffer=reuse_allgather_buffer,
             tuning=tuning,
+            kernel_cache=kernel_cache,
         )
     else:
         raise ValueError(

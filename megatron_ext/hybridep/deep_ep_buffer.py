@@ -18,9 +18,10 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
+from megatron_ext.hybridep.kernel_cache import activate
 from megatron_ext.hybridep.protocol import HybridEPBuffer
 from megatron_ext.logs import once_per_group
-from megatron_ext.options import HybridEPConfigError, accepts_keyword, flag
+from megatron_ext.options import KERNEL_CACHE_FLAG, HybridEPConfigError, accepts_keyword, flag
 
 logger = logging.getLogger(__name__)
 
@@ -120,12 +121,22 @@ def create_deep_ep_buffer(
     *,
     reuse_allgather_buffer: bool,
     tuning: DeepEPTuning = DeepEPTuning(),
+    kernel_cache: Optional[str] = None,
 ) -> HybridEPBuffer:
     """A `deep_ep.HybridEPBuffer` for `group`, with the persistent all-gather where asked and
-    allowed, and the SM and block counts of `tuning`."""
+    allowed, the SM and block counts of `tuning`, and with `kernel_cache` (a folder,
+    `--moe-hybridep-kernel-cache`) the kernels stored there loaded instead of compiled."""
     from deep_ep import HybridEPBuffer
 
     tuning_keywords = _tuning_keywords(HybridEPBuffer, tuning)
+    if kernel_cache is not None:
+        if not accepts_keyword(HybridEPBuffer, "__init__", "load_cached_kernels"):
+            raise HybridEPConfigError(
+                f"{KERNEL_CACHE_FLAG}: this deep_ep build's HybridEPBuffer cannot load compiled kernels "
+                "(it has no load_cached_kernels); drop the flag or install hybrid-ep 1.2.1 or later."
+            )
+        activate(kernel_cache)
+        tuning_keywords = {**tuning_keywords, "load_cached_kernels": True}
     custom_allgather = False
     if reuse_allgather_buffer:
         reason = custom_allgather_reason(group, num_tokens, num_local_experts * group.size())
