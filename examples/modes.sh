@@ -8,6 +8,9 @@
 #     TE's op-fuser experts (megatron-ext's own compute in bf16 on a GPU; the parse says so).
 #   common_flags: the flags of both modes that every launch script passes; a script adds its
 #     model's sizes and experts, its parallelism, batch, precision, schedule and iterations.
+#   KERNEL_CACHE: where deep_ep's compiled kernels are kept for the next job
+#     (--moe-hybridep-kernel-cache; default ${XDG_CACHE_HOME:-~/.cache}/megatron-ext/hybrid-ep-kernels,
+#     on a disk the job's nodes share where they have one; KERNEL_CACHE= keeps none).
 # and defines require_gpu, which a script calls before it starts torchrun.
 MODE=${MODE:-capacity}
 PRECISION=${PRECISION:-bf16}
@@ -44,3 +47,5 @@ common_flags=(
   --moe-hybridep-reuse-allgather-buffer
   --mock-data --tokenizer-type NullTokenizer --vocab-size 32000
 )
+KERNEL_CACHE=${KERNEL_CACHE-${XDG_CACHE_HOME:-$HOME/.cache}/megatron-ext/hybrid-ep-kernels}
+if [ -n "$KERNEL_CACHE" ]; then common_flags+=(--moe-hybridep-kernel-cache "$KERNEL_CACHE"); fi

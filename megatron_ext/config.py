@@ -102,7 +102,9 @@ class HybridEPTransformerConfig(TransformerConfig):
     the ones it compiled after the warm-up (--moe-hybridep-warm-up) and at exit. deep_ep alone
     compiles into a folder of the process (HYBRID_EP_CACHE_DIR/.deepep/hybrid_ep/jit/proc-PID) that
     no later job reads. One sub-folder per deep_ep build, CUDA version and GPU architecture. Put it
-    on a disk that outlives the job and that the job's nodes share. deep_ep only."""
+    on a disk that outlives the job and that the job's nodes share. deep_ep only: the torch
+    implementation's Triton kernels are kept by Triton (TRITON_CACHE_DIR), and the log says the
+    flag has no effect there."""
 
     def __post_init__(self):
         # Megatron refuses `--cuda-graph-modules moe` for every MoE but drop-and-pad ones (a dropless

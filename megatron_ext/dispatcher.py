@@ -779,7 +779,7 @@ class HybridEPTokenDispatcher(MoEFlexTokenDispatcher):
         )
         self.cudagraph_attrs = ["_comm_manager.token_probs", "_comm_manager.routing_map"]
         tuning = tuning_flags_set(config) + ([KERNEL_CACHE_FLAG] if options.kernel_cache is not None else [])
-        if tuning and implementation == "torch":  # auto without deep_ep (explicit torch refuses the cache)
+        if tuning and implementation == "torch":
             logger.log(
                 once_per_group(logging.INFO, self.tp_ep_group),
                 "megatron-ext: %s apply to deep_ep's kernels; the torch implementation's have no such setting, "

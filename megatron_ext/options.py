@@ -202,18 +202,10 @@ KERNEL_CACHE_FLAG = flag(CONFIG_PREFIX + "kernel_cache")
 
 
 def _check_kernel_cache(options: HybridEPOptions) -> None:
-    """--moe-hybridep-kernel-cache keeps deep_ep's compiled kernels: refused where the dispatch
-    cannot be deep_ep's, and for a path that is not a writable folder (or cannot become one)."""
-    if requested_implementation(options) == "torch":
-        why = (
-            f"{COMPACT_ROUTING_FLAG} runs on the torch implementation"
-            if options.implementation == AUTO
-            else f"{flag(CONFIG_PREFIX + 'implementation')} torch"
-        )
-        raise HybridEPConfigError(
-            f"{KERNEL_CACHE_FLAG} keeps deep_ep's compiled kernels, and {why}, whose Triton kernels Triton "
-            "caches itself (TRITON_CACHE_DIR). Drop the flag."
-        )
+    """--moe-hybridep-kernel-cache: refused for a path that is not a writable folder and cannot
+    become one. With the torch implementation it keeps nothing (Triton caches its own kernels) and
+    the dispatcher logs so, as for Megatron's deep_ep tuning flags: a launch template may set it
+    for every job."""
     path = Path(options.kernel_cache)
     existing = next((p for p in (path, *path.parents) if p.exists()), None)
     if not options.kernel_cache or existing is None or not existing.is_dir() or not os.access(existing, os.W_OK):

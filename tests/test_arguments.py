@@ -362,14 +362,6 @@ def test_patched_help_lists_flags_and_docstrings(patched, monkeypatch, capsys):
             ["--moe-hybridep-compact-routing: megatron-ext's options work with the HybridEP flex dispatcher only"],
         ),
         (
-            ["--moe-hybridep-kernel-cache", "/tmp/kernels", "--moe-hybridep-implementation", "torch"],
-            ["--moe-hybridep-kernel-cache keeps deep_ep's compiled kernels", "implementation torch", "Drop the flag"],
-        ),
-        (
-            ["--moe-hybridep-kernel-cache", "/tmp/kernels", "--moe-hybridep-compact-routing"],
-            ["--moe-hybridep-kernel-cache keeps deep_ep's compiled kernels", "compact-routing runs on the torch"],
-        ),
-        (
             ["--moe-hybridep-kernel-cache", __file__ + "/kernels"],
             ["--moe-hybridep-kernel-cache", "not a folder this process can write", "Give a writable folder"],
         ),
@@ -389,8 +381,6 @@ def test_patched_help_lists_flags_and_docstrings(patched, monkeypatch, capsys):
         "transport-with-deep_ep",
         "compact-routing-with-deep_ep",
         "compact-routing-alltoall",
-        "kernel-cache-with-torch",
-        "kernel-cache-with-compact-routing",
         "kernel-cache-under-a-file",
     ],
 )

@@ -30,7 +30,7 @@ DRY_RUN_FLAG = "--megatron-ext-dry-run"
 SCRIPT_VARS = (
     *("MODE", "PRECISION", "GPUS", "DRY_RUN", "PYTHON", "WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_PORT"),
     *("TOKENS", "HIDDEN", "EXPERTS", "TOPK"),
-    *("RANKS", "RANKS_PER_GPU", "PP", "VPP", "CAPACITY_FACTOR"),
+    *("RANKS", "RANKS_PER_GPU", "PP", "VPP", "CAPACITY_FACTOR", "KERNEL_CACHE"),
 )
 SLURM = {"SLURM_NNODES": "3", "SLURM_JOB_NODELIST": "node[01-03]", "SLURM_JOB_ID": "42"}
 
@@ -38,6 +38,7 @@ SLURM = {"SLURM_NNODES": "3", "SLURM_JOB_NODELIST": "node[01-03]", "SLURM_JOB_ID
 DRY_RUNS = {
     "smoke": ("smoke_1gpu.sh", {}, []),
     "smoke-blocking": ("smoke_1gpu.sh", {"MODE": "blocking"}, []),
+    "smoke-no-kernel-cache": ("smoke_1gpu.sh", {"KERNEL_CACHE": ""}, []),
     "smoke-fp16": ("smoke_1gpu.sh", {"PRECISION": "fp16", "MODE": "blocking"}, []),
     # capacity mode's own experts compute in bf16 on a GPU: refused when parsed
     "smoke-fp16-capacity": ("smoke_1gpu.sh", {"PRECISION": "fp16"}, []),
@@ -218,6 +219,10 @@ def test_smoke_dry_run(dry_runs):
     assert got["transformer impl"] == "local" and got["layer spec"] == "local"
     assert got["experts built"] == "megatron_ext.experts.GroupedMLP"
     assert got["samples (train, valid, test)"] == "(20, 0, 0)"
+    # deep_ep's compiled kernels kept for the next job, under the user's cache folder by default
+    cache_home = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.environ["HOME"], ".cache")
+    assert got["--moe-hybridep-kernel-cache"] == os.path.join(cache_home, "megatron-ext", "hybrid-ep-kernels")
+    assert dry_run_report(dry_runs, "smoke-no-kernel-cache")["--moe-hybridep-kernel-cache"] == "None"
 
 
 def test_smoke_blocking_dry_run_differs_only_in_capacity_mode(dry_runs):

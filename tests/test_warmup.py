@@ -122,8 +122,42 @@ def warm_up_before_training_reads_megatrons_shape(rank, world):
     assert tokens_per_rank(config, 4096, 2) == 2048
 
 
+def kernel_cache_on_the_torch_implementation_says_it_keeps_nothing(rank, world):
+    """--moe-hybridep-kernel-cache with the torch implementation (a launch template may set it for
+    every job): accepted, the first rank logs that it has no effect, and the warm-up writes nothing."""
+    import logging
+    import tempfile
+    from pathlib import Path
+
+    from megatron_ext.warmup import warm_up
+
+    said = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logger = logging.getLogger("megatron_ext.dispatcher")
+    logger.addHandler(handler)
+    previous = logger.level
+    logger.setLevel(logging.INFO)
+    folder = Path(tempfile.mkdtemp()) / "kernels"
+    try:
+        layer = moe_layer(
+            make_config(world, **FLEX, moe_hybridep_implementation="torch", moe_hybridep_kernel_cache=str(folder))
+        )
+        assert warm_up(layer, TOKENS) == 1
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(previous)
+    named = [m for m in said if "--moe-hybridep-kernel-cache" in m]
+    if rank == 0:
+        assert len(named) == 1 and "no effect here" in named[0], said
+    else:
+        assert named == [], said  # DEBUG on the other ranks
+    assert not folder.exists(), "the torch implementation stored kernels"
+
+
 CHECKS = (
     warm_up_builds_the_buffer_and_changes_no_layer_state,
+    kernel_cache_on_the_torch_implementation_says_it_keeps_nothing,
     warm_up_refuses_no_tokens,
     blocking_layers_are_warmed_too,
     deep_ep_is_warmed_blocking_only,
