@@ -31,8 +31,10 @@ class SlabExchange:
     def buffers(self, key, rows, width, dtype, device):
         held = self._held.get(key)
         if held is None or held[0].shape[0] < rows or held[0].shape[1] != width or held[0].dtype != dtype:
-            # Filled with NaN: a row the caller reads without its exchange having written it shows.
-            held = tuple(torch.full((rows, width), float("nan"), dtype=dtype, device=device) for _ in range(2))
+            # Filled with NaN (bytes: 0xFF, an fp8 NaN): a row the caller reads without its exchange
+            # having written it shows.
+            fill = float("nan") if dtype.is_floating_point else torch.iinfo(dtype).max
+            held = tuple(torch.full((rows, width), fill, dtype=dtype, device=device) for _ in range(2))
             self._held[key] = held
         return held
 

@@ -40,7 +40,7 @@ def _raises(argument, fragment, fn, **kwargs):
 @pytest.mark.parametrize(
     "kwargs, argument, fragment",
     [
-        (dict(use_fp8=True), "use_fp8", "False"),
+        (dict(use_fp8="yes"), "use_fp8", "a bool"),
         (dict(num_local_experts=0), "num_local_experts", "positive int"),
         (dict(hidden_dim=0), "hidden_dim", "positive int"),
         (dict(max_num_of_tokens_per_rank=-1), "max_num_of_tokens_per_rank", "non-negative"),
@@ -74,8 +74,18 @@ def _dispatch_case(name):
         "capacity negative": (dict(num_permuted_tokens=-4, non_blocking=True), "num_permuted_tokens", "non-negative"),
         "pad zero": (dict(pad_multiple=0), "pad_multiple", "positive int"),
         "local experts": (dict(num_of_experts_per_rank=2), "num_of_experts_per_rank", "4"),
-        "fp8": (dict(use_fp8=True), "use_fp8", "False"),
-        "scaling": (dict(scaling_factor=torch.ones(6)), "scaling_factor", "None"),
+        "fp8 data in bf16": (dict(use_fp8=True, scaling_factor=torch.ones(6, 1)), "hidden", "quantized data"),
+        "fp8 without scales": (
+            dict(hidden=x.to(torch.float8_e4m3fn), use_fp8=True),
+            "scaling_factor",
+            "float32 tensor [6, S]",
+        ),
+        "fp8 scales of other tokens": (
+            dict(hidden=x.to(torch.float8_e4m3fn), use_fp8=True, scaling_factor=torch.ones(5, 1)),
+            "scaling_factor",
+            "[6, S]",
+        ),
+        "scaling without fp8": (dict(scaling_factor=torch.ones(6, 1)), "scaling_factor", "None without use_fp8"),
         "no routing": (dict(routing_map=None), "routing_map", "or give topk_idx"),
         "num_of_experts": (dict(num_of_experts=8), "num_of_experts", "4"),
     }
@@ -98,8 +108,10 @@ def _dispatch_case(name):
         "capacity negative",
         "pad zero",
         "local experts",
-        "fp8",
-        "scaling",
+        "fp8 data in bf16",
+        "fp8 without scales",
+        "fp8 scales of other tokens",
+        "scaling without fp8",
         "no routing",
         "num_of_experts",
     ],

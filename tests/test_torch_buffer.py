@@ -175,6 +175,63 @@ def compact_routing_is_bitwise_dense_with_e_over_2k_fewer_map_bytes(
         )
 
 
+# fp8 dispatch (`use_fp8=True`): tokens quantized before the dispatch in blocks of this many
+# columns (TE's 1 x 128 blocks, narrowed to the tests' hidden size), one float32 scale each.
+FP8_BLOCK = 8
+FP8_MAX = 448.0  # e4m3's largest value
+
+
+def _quantize_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """An independent row-local quantizer: each 1 x FP8_BLOCK block scaled to e4m3's range.
+    Returns (data [R, H] float8_e4m3fn, scale inverses [R, H / FP8_BLOCK] float32)."""
+    blocks = rows.float().reshape(rows.shape[0], -1, FP8_BLOCK)
+    scale_inv = blocks.abs().amax(dim=2).clamp(min=1e-12) / FP8_MAX
+    data = (blocks / scale_inv.unsqueeze(2)).to(torch.float8_e4m3fn)
+    return data.reshape(rows.shape), scale_inv
+
+
+def _fp8_dispatch(buf, x, m, p, num_local, capacity, pad_multiple, traffic=True, **quantized):
+    """One dispatch, plain (not differentiable), blocking without `capacity`: rows, scales, bytes
+    (`traffic`: read them, a host read after an exact non-blocking dispatch)."""
+    rows, _, scales, _, _ = buf.dispatch_with_permute(
+        routing_map=m,
+        probs=p,
+        num_of_experts_per_rank=num_local,
+        num_permuted_tokens=capacity,
+        non_blocking=capacity is not None,
+        pad_multiple=pad_multiple,
+        **quantized,
+    )
+    return rows, scales, buf.last_dispatch_traffic if traffic else None
+
+
+def fp8_dispatch_moves_each_tokens_quantized_bytes_and_scales(fp8_runs, blocking, exact_rows, roomy, dtype):
+    """Quantized before the dispatch, each row arrives as its token was quantized: its bytes and
+    scales equal the same data dispatched as float32 (an exact copy of fp8 values), padding rows
+    included, and the real rows equal quantizing the blocking dispatch's rows after it."""
+    after_data, after_scales = _quantize_rows(blocking["rows"][:exact_rows])
+    for mode, ((rows, scales, _), (as_float, float_scales, _)) in fp8_runs.items():
+        assert rows.dtype == torch.float8_e4m3fn and scales.dtype == torch.float32, (mode, rows.dtype)
+        assert rows.shape[0] == scales.shape[0] == (exact_rows if mode == "blocking" else roomy), mode
+        assert torch.equal(
+            rows[:exact_rows].view(torch.uint8), as_float[:exact_rows].to(torch.float8_e4m3fn).view(torch.uint8)
+        ), mode
+        assert torch.equal(scales[:exact_rows], float_scales[:exact_rows]), mode
+        real = blocking["rows"][:exact_rows].abs().sum(dim=1) != 0  # padding rows are zero rows
+        assert torch.equal(rows[:exact_rows][real].view(torch.uint8), after_data[real].view(torch.uint8)), mode
+        assert torch.equal(scales[:exact_rows][real], after_scales[real]), mode
+
+
+def fp8_dispatch_sends_one_byte_per_element_and_the_scales(fp8_runs, blocking, roomy_run, x, dtype):
+    """Bytes on the wire: each row H bytes of data and 4 per scale, against H x 2 in bf16 (and
+    H x 4 in float32): (1 + 4 / FP8_BLOCK) / 2 of bf16's hidden bytes; routing map and probs unchanged."""
+    for mode, dense in (("blocking", blocking), ("non-blocking", roomy_run)):
+        traffic, expected = fp8_runs[mode][0][2], dense["traffic"]
+        rows_sent = expected.hidden // (HIDDEN * x.element_size())
+        assert traffic.hidden == rows_sent * (HIDDEN + 4 * HIDDEN // FP8_BLOCK), (mode, traffic, expected)
+        assert (traffic.routing_map, traffic.probs) == (expected.routing_map, expected.probs), mode
+
+
 CASE_CHECKS = (
     bytes_sent_are_exact_blocking_and_allgather_nonblocking,
     dispatch_matches_reference,
@@ -182,6 +239,8 @@ CASE_CHECKS = (
     gradients_match_reference,
     nonblocking_with_room_is_bitwise_blocking,
     too_little_capacity_flags_and_drops_the_tail,
+    fp8_dispatch_moves_each_tokens_quantized_bytes_and_scales,
+    fp8_dispatch_sends_one_byte_per_element_and_the_scales,
 )
 # Compact routing changes the routing maps' gather alone, before any layout kernel: it runs in every
 # case on the torch path and, where the fused kernels run (slow under Triton's interpreter), in this
@@ -224,6 +283,19 @@ def _case(checks, rank, world_size, index, case):
         with forbid_host_sync():
             compact_roomy = _forward_backward(compact, x, m, p, rank, weights, num_local, roomy, pad_multiple)
         compact_roomy = _cpu(compact_roomy)
+    # The dispatch of tokens quantized before it (use_fp8), and of the same values as float32.
+    data, scales = _quantize_rows(x)
+    fp8_runs = {}
+    for mode, capacity in (("blocking", None), ("non-blocking", roomy)):
+        fp8 = _fp8_dispatch(
+            buf, data, m, p, num_local, capacity, pad_multiple, hidden=data, use_fp8=True, scaling_factor=scales
+        )
+        as_float = _fp8_dispatch(buf, data, m, p, num_local, capacity, pad_multiple, hidden=data.float())
+        float_scales = _fp8_dispatch(buf, data, m, p, num_local, capacity, pad_multiple, hidden=scales)
+        fp8_runs[mode] = tuple(
+            tuple(t.cpu() if isinstance(t, torch.Tensor) else t for t in run)
+            for run in (fp8, (as_float[0], float_scales[0], None))
+        )
     # What combine must give for the truncated rows: the blocking combine with the tail zeroed.
     tail_zeroed = blocking["rows"] * blocking["row_probs"].unsqueeze(1).to(dtype)
     tail_zeroed[tight:] = 0
@@ -270,6 +342,15 @@ def exact_overflow_flags_and_drops_the_tail_as_the_allgather(exact_tight, tight_
         assert torch.equal(exact_tight[key], tight_run[key]), f"{key} differs from the all-gather's"
 
 
+def exact_fp8_dispatch_equals_the_allgathers(exact_fp8, fp8_runs, exact_rows):
+    """Quantized rows and their scales through the exact exchange (each payload its own buffers)
+    arrive as the all-gather's do."""
+    rows, scales, _ = exact_fp8
+    expected_rows, expected_scales, _ = fp8_runs["non-blocking"][0]
+    assert torch.equal(rows[:exact_rows].view(torch.uint8), expected_rows[:exact_rows].view(torch.uint8))
+    assert torch.equal(scales[:exact_rows], expected_scales[:exact_rows])
+
+
 def exact_calls_go_through_the_exchange(exchange_calls):
     # Two runs of 4 calls (dispatch, combine, and their backward) and one dispatch: a barrier each;
     # an exchange of rows each, and of probs where the call carries them (the dispatch, and the
@@ -282,6 +363,7 @@ EXACT_CHECKS = (
     exact_nonblocking_sends_the_blocking_bytes,
     exact_overflow_flags_and_drops_the_tail_as_the_allgather,
     exact_calls_go_through_the_exchange,
+    exact_fp8_dispatch_equals_the_allgathers,
 )
 
 
@@ -320,6 +402,13 @@ def _exact_case(checks, rank, world_size, case):
     )
     exact_traffic = buf.last_dispatch_traffic
     exchange_calls = (exchange.barriers, exchange.exchanges)
+    data, scales = (t.to(case["device"]) for t in _quantize_rows(x))
+    with forbid_host_sync():
+        exact_fp8 = _fp8_dispatch(
+            buf, data, m, p, case["num_local"], case["roomy"], case["pad_multiple"],
+            traffic=False, hidden=data, use_fp8=True, scaling_factor=scales,
+        )  # fmt: skip
+    exact_fp8 = tuple(None if t is None else t.cpu() for t in exact_fp8)
     exact_roomy, exact_tight = _cpu(exact_roomy), _cpu(exact_tight)
     _run_checks(checks, EXACT_CHECKS, {**case, **locals()})
 

@@ -45,6 +45,8 @@ from megatron_ext.hybridep.layout import expert_layout, padded_counts, round_up
 from megatron_ext.options import TRANSPORTS
 
 SUPPORTED_HIDDEN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# An fp8 dispatch's rows (`use_fp8=True`): quantized data, one byte per element (deep_ep takes uint8).
+FP8_HIDDEN_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.uint8)
 
 
 class HybridEPHandle(NamedTuple):
@@ -206,9 +208,10 @@ class TorchHybridEPBuffer:
     deep_ep's `dispatch_with_permute` keywords too.
 
     The constructor takes deep_ep's arguments; the kernel-tuning ones (`num_sms_*`,
-    `num_blocks_*`, `load_cached_kernels`, `use_shared_buffer`) have no meaning here and are
-    accepted for compatibility. `enable_custom_allgather=True` or `reuse_allgather_buffer=True`
-    gathers routing maps into one buffer per process group instead of a fresh tensor each time.
+    `num_blocks_*`, `load_cached_kernels`, `use_shared_buffer`) and `use_fp8` have no meaning here
+    and are accepted for compatibility (any buffer takes fp8 dispatches).
+    `enable_custom_allgather=True` or `reuse_allgather_buffer=True` gathers routing maps into one
+    buffer per process group instead of a fresh tensor each time.
     `compact_routing_topk=k` gathers them as `[T, k]` expert indices and expands them back (every
     token routed to at most k experts, asserted on the device): `megatron_ext.hybridep.allgather`.
 
@@ -250,7 +253,7 @@ class TorchHybridEPBuffer:
             "a positive int",
             num_local_experts,
         )
-        _check(not use_fp8, "use_fp8", "False (the PyTorch HybridEP buffer moves bf16/fp16/fp32 only)", use_fp8)
+        _check(isinstance(use_fp8, bool), "use_fp8", "a bool (fp8 dispatches need no setting here)", use_fp8)
         _check(
             transport in TRANSPORTS or hasattr(transport, "exchange"),
             "transport",
@@ -355,11 +358,15 @@ class TorchHybridEPBuffer:
         handle: Optional[HybridEPHandle] = None,
         non_blocking: bool = False,
         fuse_permute_dispatch: bool = False,
-    ) -> tuple[torch.Tensor, Optional[torch.Tensor], None, torch.Tensor, HybridEPHandle]:
+    ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor], torch.Tensor, HybridEPHandle]:
         """Send each token to the ranks of its experts, grouped by local expert.
 
         Args:
-            hidden: `[T, H]` bf16/fp16/fp32, this rank's tokens (T equal on every rank).
+            hidden: `[T, H]` bf16/fp16/fp32, this rank's tokens (T equal on every rank); with
+                `use_fp8=True` their quantized data, one byte per element (float8_e4m3fn,
+                float8_e5m2 or uint8), and `scaling_factor` `[T, S]` float32 their scales (S per
+                token: H / 128 for 1 x 128 blocks). Both move as the rows do, bytes unchanged,
+                so the rows arrive quantized exactly as their tokens were.
             routing_map: `[T, E]` bool, token t goes to expert e; or give `topk_idx` `[T, K]`
                 (with `num_of_experts`) and `topk_weights` `[T, K]` float32.
             probs: `[T, E]` float32 routing probabilities, or None.
@@ -374,16 +381,21 @@ class TorchHybridEPBuffer:
             non_blocking: True requires `num_permuted_tokens`; nothing is read on the host.
 
         Returns:
-            `(rows [capacity, H], probs [capacity] float32 or None, None, tokens_per_expert [L]
-            int64, handle)` where the capacity is `num_permuted_tokens`, or the padded total
+            `(rows [capacity, H], probs [capacity] float32 or None, scaling factors [capacity, S]
+            float32 or None (without fp8), tokens_per_expert [L] int64, handle)` where the
+            capacity is `num_permuted_tokens`, or the padded total
             (blocking without one); rows past the padded total are zero on CPU and unwritten on a
             GPU. `handle.overflow_flag` (index 10) is 1 when the padded total exceeded the
             capacity and the tail was dropped.
         """
-        self._check_hidden(hidden, "hidden")
-        _check(not use_fp8, "use_fp8", "False (no fp8 dispatch in the PyTorch HybridEP buffer)", use_fp8)
-        _check(scaling_factor is None, "scaling_factor", "None (no fp8 dispatch)", scaling_factor)
+        self._check_hidden(hidden, "hidden", fp8=bool(use_fp8))
+        if use_fp8:
+            self._check_scaling_factor(scaling_factor, hidden)
+        else:
+            _check(scaling_factor is None, "scaling_factor", "None without use_fp8=True", scaling_factor)
         map_bytes, row_bytes = 0, hidden.shape[1] * hidden.element_size()
+        if use_fp8:
+            row_bytes += scaling_factor.shape[1] * scaling_factor.element_size()
         if handle is None:
             routing_map, probs = self._resolve_routing(
                 hidden, routing_map, probs, topk_idx, topk_weights, num_of_experts, num_of_experts_per_rank
@@ -408,14 +420,20 @@ class TorchHybridEPBuffer:
                 )
             if probs is not None:
                 self._check_probs(probs, handle.num_tokens, self.world_size * self.num_local_experts)
-        rows, row_probs, rows_elsewhere = self._move_rows(hidden, probs, handle)
+        scales = None
+        if use_fp8:  # the data as bytes (neither NCCL nor gloo moves fp8), then the scales alike
+            rows, row_probs, rows_elsewhere = self._move_rows(hidden.view(torch.uint8), probs, handle)
+            rows = rows.view(hidden.dtype)
+            scales = self._move_rows(scaling_factor, None, handle, key="scales")[0]
+        else:
+            rows, row_probs, rows_elsewhere = self._move_rows(hidden, probs, handle)
         self._dispatch_traffic = (
             map_bytes,
             rows_elsewhere,
             row_bytes,
             0 if probs is None else _probs_row_bytes(handle, self.num_local_experts),
         )
-        return rows, row_probs, None, handle.tokens_per_expert, handle
+        return rows, row_probs, scales, handle.tokens_per_expert, handle
 
     def _resolve_routing(self, hidden, routing_map, probs, topk_idx, topk_weights, num_of_experts, num_local):
         if num_local is not None:
@@ -477,14 +495,34 @@ class TorchHybridEPBuffer:
             self._check_probs(probs, num_tokens, num_experts)
         return routing_map, probs
 
-    def _check_hidden(self, hidden, argument):
+    def _check_hidden(self, hidden, argument, fp8: bool = False):
         _check(
             isinstance(hidden, torch.Tensor) and hidden.dim() == 2,
             argument,
             "a 2-D tensor [T, H]",
             hidden if isinstance(hidden, torch.Tensor) else type(hidden).__name__,
         )
-        _check(hidden.dtype in SUPPORTED_HIDDEN_DTYPES, argument, "bfloat16, float16 or float32", hidden.dtype)
+        if fp8:
+            _check(
+                hidden.dtype in FP8_HIDDEN_DTYPES,
+                argument,
+                "quantized data with use_fp8=True: float8_e4m3fn, float8_e5m2 or uint8",
+                hidden.dtype,
+            )
+        else:
+            _check(hidden.dtype in SUPPORTED_HIDDEN_DTYPES, argument, "bfloat16, float16 or float32", hidden.dtype)
+
+    @staticmethod
+    def _check_scaling_factor(scaling_factor, hidden):
+        _check(
+            isinstance(scaling_factor, torch.Tensor)
+            and scaling_factor.dtype == torch.float32
+            and scaling_factor.dim() == 2
+            and scaling_factor.shape[0] == hidden.shape[0],
+            "scaling_factor",
+            f"with use_fp8=True, a float32 tensor [{hidden.shape[0]}, S] of each token's scales",
+            scaling_factor,
+        )
 
     def _check_probs(self, probs, num_tokens, num_experts):
         _check(
@@ -659,12 +697,14 @@ class TorchHybridEPBuffer:
             self._returned_rows_cache = {key: table}
         return table
 
-    def _move_rows(self, hidden, probs, handle: HybridEPHandle):
+    def _move_rows(self, hidden, probs, handle: HybridEPHandle, key: str = "rows"):
         """Bring the rows of `handle`'s layout to this rank and place them; a padding row (a slot
-        past the received ones) reads as zeros. Returns (rows, probs, rows sent to other ranks)."""
+        past the received ones) reads as zeros. Returns (rows, probs, rows sent to other ranks).
+        `key` names the exact exchange's buffers of this payload (an fp8 dispatch's scales have
+        their own)."""
         W, L, T = self.world_size, self.num_local_experts, handle.num_tokens
         if handle.send_counts is not None:
-            return self._move_exact_rows(hidden, probs, handle)
+            return self._move_exact_rows(hidden, probs, handle, key)
         fused_kernels = handle.slot_rows is not None
         if handle.non_blocking:
             received = self._all_gather(hidden)
@@ -692,17 +732,17 @@ class TorchHybridEPBuffer:
         )
         return rows, row_probs, rows_elsewhere
 
-    def _move_exact_rows(self, hidden, probs, handle: HybridEPHandle):
+    def _move_exact_rows(self, hidden, probs, handle: HybridEPHandle, key: str = "rows"):
         """`_move_rows` for a non-blocking dispatch that sends exact rows: each token once to each
         rank of its experts, packed by rank into the exchange's send buffer, the counts on the
         device; received rows land by source rank, which is the order of the receive slots."""
         W, L, T = self.world_size, self.num_local_experts, handle.num_tokens
         exchange, slots = self._splits_exchange, W * T
         exchange.barrier()
-        send, recv = exchange.buffers("rows", slots, hidden.shape[1], hidden.dtype, hidden.device)
+        send, recv = exchange.buffers(key, slots, hidden.shape[1], hidden.dtype, hidden.device)
         num_sent = handle.send_counts.sum().reshape(1)
         fused.gather_rows(hidden, handle.send_token, num_sent, out=send)
-        exchange.exchange("rows", handle.send_counts)
+        exchange.exchange(key, handle.send_counts)
         sent_elsewhere = num_sent[0] - handle.send_counts[self.rank]
         if probs is None:
             return fused.gather_rows(recv[:slots], handle.row_slot, handle.real_rows), None, sent_elsewhere
