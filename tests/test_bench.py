@@ -186,6 +186,32 @@ def test_bytes_and_routing_map_allocations(full_run):
     assert _mode(report, "megatron")["routing_map_bytes_sent_per_dispatch"] is None
 
 
+def test_micro_batches_accumulate_and_count_per_step(full_run, tmp_path):
+    """--micro-batches 2: each step runs its layers' dispatches twice and sends twice the bytes,
+    every mode still bitwise equal to blocking (each with the same micro-batches)."""
+    _, single, _ = full_run
+    modes = "capacity+equal,capacity+equal+rerun"
+    result = _bench(*TINY, "--world-size", str(WORLD), "--micro-batches", "2", "--modes", modes,
+                    "--json", str(tmp_path / "m.json"))  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "each step 2 micro-batches" in result.stdout
+    with open(tmp_path / "m.json") as f:
+        report = json.load(f)
+    assert report["sizes"]["micro_batches"] == 2
+    blocking, capacity = _mode(report, "blocking"), _mode(report, "capacity+equal")
+    assert capacity["equal_to_blocking"] == "bitwise" == _mode(report, "capacity+equal+rerun")["equal_to_blocking"]
+    assert blocking["host_syncs_per_step"] == 2 * LAYERS  # one count read per forward dispatch
+    assert (blocking["blocking_dispatches_per_step"], capacity["non_blocking_dispatches_per_step"]) == (
+        2 * LAYERS,
+        2 * LAYERS,
+    )
+    for name in ("blocking", "capacity+equal"):
+        assert _mode(report, name)["bytes_sent_per_step"] == 2 * _mode(single, name)["bytes_sent_per_step"], name
+    # The overflow policy checks once per step, however many micro-batches it has.
+    rerun = _mode(report, "capacity+equal+rerun")
+    assert (rerun["host_syncs_per_step"], rerun["all_reduces_per_step"]) == (1, 1)
+
+
 def test_timings_and_plot(full_run):
     _, report, png = full_run
     for mode in report["modes"]:
@@ -452,6 +478,7 @@ def _parse(argv, monkeypatch):
         ("mid", (4, 4096, 2048, 1024, 32, 4)),
         ("fine", (8, 4096, 2048, 768, 128, 8)),
         ("large", (8, 8192, 4096, 1024, 64, 8)),
+        ("wide", (4, 4096, 7168, 2048, 32, 8)),
     ],
 )
 def test_size_names_a_stack(name, fields, monkeypatch):

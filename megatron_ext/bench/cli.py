@@ -103,6 +103,14 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--check-steps", type=int, default=2, help="steps compared with blocking, per mode (default 2)")
     run.add_argument("--warmup", type=int, default=1, help="untimed steps per mode before counting (default 1)")
     run.add_argument(
+        "--micro-batches",
+        type=int,
+        default=1,
+        help="forward and backward passes per step on the step's input, the gradients accumulated, as in "
+        "gradient accumulation (the first marked as Megatron marks a step's first micro-batch, so TE's layers "
+        "may keep their fp8 weight casts for the others); every count and time is per step (default 1)",
+    )
+    run.add_argument(
         "--repeat",
         type=int,
         default=1,
@@ -162,7 +170,10 @@ def parse(argv=None) -> argparse.Namespace:
     problem = None if torchrun else args.placement.check(args.world_size, torch.cuda.device_count() if cuda else 0)
     if problem is not None:
         p.error(f"--world-size {args.world_size}: {problem}; raise --ranks-per-gpu or lower --world-size")
-    for name in ("layers", "tokens", "hidden", "ffn_hidden", "experts", "steps", "check_steps", "world_size", "repeat"):
+    for name in (
+        "layers", "tokens", "hidden", "ffn_hidden", "experts", "steps", "check_steps", "world_size", "repeat",
+        "micro_batches",
+    ):  # fmt: skip
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
     if args.warmup < 0:
@@ -252,6 +263,7 @@ def sizes_of(args) -> Sizes:
         runahead_sleep_ms=args.runahead_sleep_ms,
         repeat=args.repeat,
         deep_ep_num_sms=args.deep_ep_num_sms,
+        micro_batches=getattr(args, "micro_batches", 1),
         size=getattr(args, "size", None),
     )
 
@@ -371,6 +383,8 @@ def _print_report(args, sizes, world_size, rows, facts, problems) -> None:
     if load is not None:
         print(f"routing: busiest expert holds {load:.2f}x the mean (layer 1, first step)")
     rounds = f", in each of {sizes.repeat} rounds" if sizes.repeat > 1 else ""
+    if sizes.micro_batches > 1:
+        rounds = f", each step {sizes.micro_batches} micro-batches{rounds}"
     _say(
         f"per mode: {sizes.check_steps} checked + {sizes.warmup} warm-up + 1 counted + {sizes.steps} timed "
         f"steps on the same inputs and weights{rounds}"

@@ -27,10 +27,12 @@ class GraphedStep:
     caller's next collective, where the ranks can agree to drop the mode.
     """
 
-    def __init__(self, stack: torch.nn.Module, example: torch.Tensor, loss_weights: torch.Tensor):
+    def __init__(
+        self, stack: torch.nn.Module, example: torch.Tensor, loss_weights: torch.Tensor, micro_batches: int = 1
+    ):
         if example.device.type != "cuda":
             raise RuntimeError(f"{GRAPH_SKIP_REASON}: the input is on {example.device}")
-        self.stack, self.loss_weights = stack, loss_weights
+        self.stack, self.loss_weights, self.micro_batches = stack, loss_weights, micro_batches
         self.x_static = example.detach().clone().requires_grad_(True)
         # Warm-up on a side stream, as PyTorch's recipe does: the first run on that stream sets up
         # autograd's and the allocator's per-stream state outside the graph.
@@ -66,8 +68,11 @@ class GraphedStep:
         # tensors (in the graph's pool under capture) instead of adding to the warm-up's.
         self.x_static.grad = None
         self.stack.zero_grad(set_to_none=True)
-        out = self.stack(self.x_static)
-        (out.float() * self.loss_weights).sum().backward()
+        for index in range(self.micro_batches):  # the later ones accumulate into the first's gradients
+            if index == 0 and hasattr(self.stack, "mark_first_microbatch"):
+                self.stack.mark_first_microbatch()
+            out = self.stack(self.x_static)
+            (out.float() * self.loss_weights).sum().backward()
         return out
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -168,11 +168,17 @@ class _Runner:
         return []
 
     def _step(self, stack, x, after_forward: Callable[[], None]):
+        """`--micro-batches` forward+backward passes on `x`, gradients accumulated (`after_forward`
+        after the first forward); the last output and the accumulated input gradient."""
         x = x.detach().requires_grad_(True)
         stack.zero_grad(set_to_none=True)
-        out = stack(x)
-        after_forward()
-        (out.float() * self.loss_weights).sum().backward()
+        for index in range(self.sizes.micro_batches):
+            if index == 0:
+                stack.mark_first_microbatch()
+            out = stack(x)
+            if index == 0:
+                after_forward()
+            (out.float() * self.loss_weights).sum().backward()
         return out, x.grad
 
     def snapshot(self, stack, out, grad) -> dict[str, torch.Tensor]:
@@ -241,7 +247,7 @@ class _Runner:
             self._step(stack, x, lambda: None)
         error = None
         try:
-            self.graphed = GraphedStep(stack, self.inputs[0], self.loss_weights)
+            self.graphed = GraphedStep(stack, self.inputs[0], self.loss_weights, self.sizes.micro_batches)
         except Exception as exc:  # a capture launches no collective: the other ranks meet this rank below
             traceback.print_exc()
             error = _describe(exc)

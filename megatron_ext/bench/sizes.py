@@ -31,6 +31,7 @@ class Sizes:
     runahead_sleep_ms: float = 300.0
     repeat: int = 1
     deep_ep_num_sms: Optional[int] = None  # --moe-flex-dispatcher-num-sms of every mode (None: deep_ep's default)
+    micro_batches: int = 1  # forward+backward passes per step, gradients accumulated
     size: Optional[str] = None  # the `--size` preset the stack came from, if any (flags may override it)
 
     @property
@@ -47,6 +48,8 @@ SIZES = {
     "mid": dict(layers=4, tokens=4096, hidden=2048, ffn_hidden=1024, experts=32, topk=4),
     "fine": dict(layers=8, tokens=4096, hidden=2048, ffn_hidden=768, experts=128, topk=8),
     "large": dict(layers=8, tokens=8192, hidden=4096, ffn_hidden=1024, experts=64, topk=8),
+    # A DeepSeek-V3-like slice of experts: the GEMMs, not the dispatch, dominate the step.
+    "wide": dict(layers=4, tokens=4096, hidden=7168, ffn_hidden=2048, experts=32, topk=8),
 }
 DEFAULT_SIZE = dict(layers=2, tokens=256, hidden=128, ffn_hidden=128, experts=8, topk=2)
 

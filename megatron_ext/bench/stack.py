@@ -119,6 +119,12 @@ class MoEStack(torch.nn.Module):
             MoELayer(config, submodules=submodules, layer_number=i + 1) for i in range(layers)
         )
 
+    def mark_first_microbatch(self) -> None:
+        """What Megatron's schedule does at a step's first micro-batch (`set_is_first_microbatch`):
+        TE's layers in fp8 then cast their weights once and keep the casts for the step's others."""
+        for layer in self.layers:
+            layer.set_is_first_microbatch()
+
     def forward(self, x):
         out = x
         with fp8_context(self.config):
