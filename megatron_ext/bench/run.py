@@ -173,7 +173,7 @@ class _Runner:
         x = x.detach().requires_grad_(True)
         stack.zero_grad(set_to_none=True)
         for index in range(self.sizes.micro_batches):
-            if index == 0:
+            if index == 0 and hasattr(stack, "mark_first_microbatch"):  # a MoEStack (tests step other modules)
                 stack.mark_first_microbatch()
             out = stack(x)
             if index == 0:
