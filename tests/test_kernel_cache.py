@@ -159,6 +159,27 @@ def test_a_deep_ep_build_that_cannot_load_kernels_is_refused_by_flag(monkeypatch
         create_deep_ep_buffer(None, 256, 64, 2, reuse_allgather_buffer=False, kernel_cache=str(tmp_path))
 
 
+def test_a_cache_that_cannot_be_read_is_logged_and_deep_ep_compiles(monkeypatch, tmp_path, caplog):
+    _install_stand_in(monkeypatch, StandInDeepEP)
+    _as_process(monkeypatch, 12)
+    stored = tmp_path / "kernels" / "build"
+    stored.mkdir(parents=True)
+    (stored / "dispatch_b2.so").write_bytes(b"k")
+
+    def unreadable(source, target):
+        raise PermissionError(13, "Permission denied", str(source))
+
+    monkeypatch.setattr(kernel_cache.shutil, "copyfile", unreadable)
+    from megatron_ext.hybridep.deep_ep_buffer import create_deep_ep_buffer
+
+    buffer = create_deep_ep_buffer(
+        None, 256, 64, 2, reuse_allgather_buffer=False, kernel_cache=str(tmp_path / "kernels")
+    )
+    assert buffer.compiled == list(StandInDeepEP.KERNELS)
+    assert "could not load kernels" in caplog.text and "Permission denied" in caplog.text
+    assert not [p for p in process_jit_dir().iterdir() if p.name.startswith(".")], "a temporary file was left"
+
+
 def test_a_cache_that_cannot_be_written_is_logged_not_raised(monkeypatch, tmp_path, caplog):
     monkeypatch.setattr(kernel_cache, "_this_build_key", lambda: "build")
     _as_process(monkeypatch, 11)

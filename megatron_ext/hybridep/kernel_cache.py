@@ -115,14 +115,21 @@ _ACTIVE: dict[Path, KernelCache] = {}
 
 def activate(root: str | os.PathLike) -> KernelCache:
     """The cache under `root`, loaded into this process's deep_ep folder on first use, and stored
-    back when the process exits."""
+    back when the process exits. A cache that cannot be read is logged, never raised: deep_ep then
+    compiles what it needs, as without the cache."""
     kernel_cache = KernelCache(root)
     if kernel_cache.directory in _ACTIVE:
         return _ACTIVE[kernel_cache.directory]
     if not _ACTIVE:
         atexit.register(store_all)
     _ACTIVE[kernel_cache.directory] = kernel_cache
-    loaded = kernel_cache.load()
+    try:
+        loaded = kernel_cache.load()
+    except OSError as error:
+        logger.warning(
+            "megatron-ext: --moe-hybridep-kernel-cache: could not load kernels (%s); deep_ep compiles.", error
+        )
+        return kernel_cache
     logger.log(
         once_per_job(logging.INFO),
         "megatron-ext: --moe-hybridep-kernel-cache: %d deep_ep kernel(s) loaded from %s.",
