@@ -190,7 +190,7 @@ def _quantize_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return data.reshape(rows.shape), scale_inv
 
 
-def _fp8_dispatch(buf, x, m, p, num_local, capacity, pad_multiple, traffic=True, **quantized):
+def _fp8_dispatch(buf, m, p, num_local, capacity, pad_multiple, traffic=True, **quantized):
     """One dispatch, plain (not differentiable), blocking without `capacity`: rows, scales, bytes
     (`traffic`: read them, a host read after an exact non-blocking dispatch)."""
     rows, _, scales, _, _ = buf.dispatch_with_permute(
@@ -203,6 +203,11 @@ def _fp8_dispatch(buf, x, m, p, num_local, capacity, pad_multiple, traffic=True,
         **quantized,
     )
     return rows, scales, buf.last_dispatch_traffic if traffic else None
+
+
+def _on_cpu(run: tuple) -> tuple:
+    """An `_fp8_dispatch` result with its tensors on the CPU (a host read: after any guard)."""
+    return tuple(t.cpu() if isinstance(t, torch.Tensor) else t for t in run)
 
 
 def fp8_dispatch_moves_each_tokens_quantized_bytes_and_scales(fp8_runs, blocking, exact_rows, roomy, dtype):
@@ -288,14 +293,11 @@ def _case(checks, rank, world_size, index, case):
     fp8_runs = {}
     for mode, capacity in (("blocking", None), ("non-blocking", roomy)):
         fp8 = _fp8_dispatch(
-            buf, data, m, p, num_local, capacity, pad_multiple, hidden=data, use_fp8=True, scaling_factor=scales
+            buf, m, p, num_local, capacity, pad_multiple, hidden=data, use_fp8=True, scaling_factor=scales
         )
-        as_float = _fp8_dispatch(buf, data, m, p, num_local, capacity, pad_multiple, hidden=data.float())
-        float_scales = _fp8_dispatch(buf, data, m, p, num_local, capacity, pad_multiple, hidden=scales)
-        fp8_runs[mode] = tuple(
-            tuple(t.cpu() if isinstance(t, torch.Tensor) else t for t in run)
-            for run in (fp8, (as_float[0], float_scales[0], None))
-        )
+        as_float = _fp8_dispatch(buf, m, p, num_local, capacity, pad_multiple, hidden=data.float())
+        float_scales = _fp8_dispatch(buf, m, p, num_local, capacity, pad_multiple, hidden=scales)
+        fp8_runs[mode] = (_on_cpu(fp8), _on_cpu((as_float[0], float_scales[0], None)))
     # What combine must give for the truncated rows: the blocking combine with the tail zeroed.
     tail_zeroed = blocking["rows"] * blocking["row_probs"].unsqueeze(1).to(dtype)
     tail_zeroed[tight:] = 0
@@ -405,10 +407,10 @@ def _exact_case(checks, rank, world_size, case):
     data, scales = (t.to(case["device"]) for t in _quantize_rows(x))
     with forbid_host_sync():
         exact_fp8 = _fp8_dispatch(
-            buf, data, m, p, case["num_local"], case["roomy"], case["pad_multiple"],
+            buf, m, p, case["num_local"], case["roomy"], case["pad_multiple"],
             traffic=False, hidden=data, use_fp8=True, scaling_factor=scales,
         )  # fmt: skip
-    exact_fp8 = tuple(None if t is None else t.cpu() for t in exact_fp8)
+    exact_fp8 = _on_cpu(exact_fp8)
     exact_roomy, exact_tight = _cpu(exact_roomy), _cpu(exact_tight)
     _run_checks(checks, EXACT_CHECKS, {**case, **locals()})
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from megatron_ext.bench.modes import GRAPH_SKIP_REASON
+from megatron_ext.bench.stack import forward_backward
 
 
 class GraphedStep:
@@ -68,12 +69,7 @@ class GraphedStep:
         # tensors (in the graph's pool under capture) instead of adding to the warm-up's.
         self.x_static.grad = None
         self.stack.zero_grad(set_to_none=True)
-        for index in range(self.micro_batches):  # the later ones accumulate into the first's gradients
-            if index == 0 and hasattr(self.stack, "mark_first_microbatch"):
-                self.stack.mark_first_microbatch()
-            out = self.stack(self.x_static)
-            (out.float() * self.loss_weights).sum().backward()
-        return out
+        return forward_backward(self.stack, self.x_static, self.loss_weights, self.micro_batches)
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One step on `x`: (the output, the input's gradient), both the graph's static tensors."""

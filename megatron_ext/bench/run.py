@@ -41,6 +41,7 @@ from megatron_ext.bench.report import worst_by_tensor
 from megatron_ext.bench.sizes import Sizes
 from megatron_ext.bench.stack import (
     MoEStack,
+    forward_backward,
     grads_by_name,
     load_weights,
     make_inputs,
@@ -172,13 +173,7 @@ class _Runner:
         after the first forward); the last output and the accumulated input gradient."""
         x = x.detach().requires_grad_(True)
         stack.zero_grad(set_to_none=True)
-        for index in range(self.sizes.micro_batches):
-            if index == 0 and hasattr(stack, "mark_first_microbatch"):  # a MoEStack (tests step other modules)
-                stack.mark_first_microbatch()
-            out = stack(x)
-            if index == 0:
-                after_forward()
-            (out.float() * self.loss_weights).sum().backward()
+        out = forward_backward(stack, x, self.loss_weights, self.sizes.micro_batches, after_forward)
         return out, x.grad
 
     def snapshot(self, stack, out, grad) -> dict[str, torch.Tensor]:

@@ -133,6 +133,21 @@ class MoEStack(torch.nn.Module):
         return out
 
 
+def forward_backward(stack, x, loss_weights, micro_batches: int = 1, after_first_forward=lambda: None):
+    """The bench's step on `x`: `micro_batches` forward and backward passes of `stack`, the loss
+    `(out * loss_weights).sum()`, gradients accumulating onto what the caller left (the caller
+    zeroes them); the first pass marked as Megatron's schedule marks a step's first micro-batch
+    (a `MoEStack`; tests step plain modules). Returns the last output."""
+    for index in range(micro_batches):
+        if index == 0 and hasattr(stack, "mark_first_microbatch"):
+            stack.mark_first_microbatch()
+        out = stack(x)
+        if index == 0:
+            after_first_forward()
+        (out.float() * loss_weights).sum().backward()
+    return out
+
+
 def fp8_context(config):
     """Megatron's fp8 context for `config` (Transformer Engine's autocast with its recipe), as a
     TransformerBlock enters it around its layers; nothing without fp8."""

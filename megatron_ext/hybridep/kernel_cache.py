@@ -95,8 +95,7 @@ class KernelCache:
     """deep_ep's HybridEP kernels of one build, stored under `root` (see the module docstring)."""
 
     def __init__(self, root: str | os.PathLike, key: Optional[str] = None):
-        self.root = Path(root)
-        self.directory = self.root / (key or _this_build_key())
+        self.directory = Path(root) / (key or _this_build_key())
 
     def load(self) -> list[str]:
         """Copy the stored kernels into this process's deep_ep folder (before a buffer is built);
