@@ -27,6 +27,7 @@ _TINY = 1e-12
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., K] -> (e4m3 [..., K], float32 [...]): each row over its own amax, so that
     dequantized = q * scale. A zero row gets scale 0 and zeros."""
+    x = x.contiguous()  # a transposed weight: its quantized copy must be row-major itself
     amax = x.abs().amax(-1, keepdim=True).float()
     q = (x.float() * (E4M3_MAX / amax.clamp(min=_TINY))).to(torch.float8_e4m3fn)
     return q, (amax / E4M3_MAX).squeeze(-1)
