@@ -612,7 +612,7 @@ def test_every_fp8_mode_is_one_megatron_ext_accepts_for_its_recipe(recipe):
     modes = fp8_modes(1.5, recipe)
     expected = [FP8_REFERENCE, "capacity+equal+static+te+fp8"]
     if recipe != "delayed":
-        expected.insert(1, "capacity+equal+te+fp8")
+        expected[1:1] = ["capacity+equal+te+fp8", "capacity+equal+te+fp8+fp8-weights"]
     assert [m.name for m in modes] == expected
     for mode in modes:
         config = argparse.Namespace(transformer_impl="transformer_engine", moe_grouped_gemm=True, **mode.overrides)
@@ -628,6 +628,35 @@ def test_every_fp8_mode_is_one_megatron_ext_accepts_for_its_recipe(recipe):
     assert reference.experts == ("te-op-fuser" if op_fuser else "te")
     assert reference.overrides["use_transformer_engine_op_fuser"] is op_fuser
     assert ("--use-transformer-engine-op-fuser" in reference.flags) is op_fuser
+    if op_fuser:  # fp8 weights: the op-fuser capacity mode with fp8_param, as Megatron's flag sets it
+        plain, weights = modes[1], modes[2]
+        assert weights.overrides == {**plain.overrides, "fp8_param": True} and not plain.overrides.get("fp8_param")
+        assert "--fp8-param-gather" in weights.flags and weights.reference == FP8_REFERENCE
+
+
+def test_fp8_init_context_is_megatrons_init_context_where_the_config_asks_for_fp8_weights(monkeypatch):
+    """fp8_param: the stack's layers are built inside Megatron's fp8 init context (as a
+    TransformerBlock builds them), so TE creates its weights in fp8; otherwise no context."""
+    import contextlib
+
+    import megatron.core.fp8_utils as fp8_utils
+
+    from megatron_ext.bench.stack import fp8_init_context
+
+    entered = []
+
+    @contextlib.contextmanager
+    def recording(config, layer_no=-1, is_init=False):
+        entered.append(is_init)
+        yield
+
+    monkeypatch.setattr(fp8_utils, "get_fp8_context", recording)
+    with fp8_init_context(argparse.Namespace(fp8="e4m3", fp8_param=False)):
+        pass
+    assert entered == []
+    with fp8_init_context(argparse.Namespace(fp8="e4m3", fp8_param=True)):
+        pass
+    assert entered == [True]
 
 
 def test_fp8_modes_are_checked_against_their_own_blocking_twin():
@@ -637,7 +666,7 @@ def test_fp8_modes_are_checked_against_their_own_blocking_twin():
     from megatron_ext.bench.run import FP8_TOLERANCE, ModeResult, tolerance
 
     blocking = select([], 1.5)[1]
-    fp8_blocking, fp8_capacity, _ = fp8_modes(1.5, "tensorwise")
+    fp8_blocking, fp8_capacity = fp8_modes(1.5, "tensorwise")[:2]
     assert blocking.name == "blocking" and tolerance(fp8_capacity, "bf16") == FP8_TOLERANCE > tolerance(
         blocking, "bf16"
     )

@@ -119,6 +119,15 @@ def fp8_modes(capacity_factor: float, recipe: str) -> tuple[Mode, ...]:
         experts="te-op-fuser",
         **checked,
     )
+    # fp8 primary weights: TE's layers keep their weights in fp8 and cast nothing in the step.
+    fp8_weights = Mode(
+        "capacity+equal+te+fp8+fp8-weights",
+        f"as capacity+equal+te+fp8, the expert weights kept in fp8 (--fp8-param-gather), checked against {FP8_REFERENCE}",
+        (*op_fuser.flags, "--fp8-param-gather", "--use-distributed-optimizer"),
+        dict(op_fuser.overrides, fp8_param=True),
+        experts="te-op-fuser",
+        **checked,
+    )
     static = Mode(
         "capacity+equal+static+te+fp8",
         f"as capacity+equal+static+te in fp8 ({recipe}), checked against {FP8_REFERENCE}",
@@ -128,7 +137,7 @@ def fp8_modes(capacity_factor: float, recipe: str) -> tuple[Mode, ...]:
         **checked,
     )
     # Other recipes: TE's op-fuser experts would read the counts on the host (refused in capacity mode).
-    return (reference, op_fuser, static) if recipe in FP8_RECIPES else (reference, static)
+    return (reference, op_fuser, fp8_weights, static) if recipe in FP8_RECIPES else (reference, static)
 
 
 def all_modes(capacity_factor: float, fp8_recipe: str | None = None) -> tuple[Mode, ...]:

@@ -115,9 +115,10 @@ class MoEStack(torch.nn.Module):
 
         submodules = experts_spec(experts, config.num_moe_experts)
         self.config = config  # where Megatron's get_model_config (and so the overflow recovery) looks
-        self.layers = torch.nn.ModuleList(
-            MoELayer(config, submodules=submodules, layer_number=i + 1) for i in range(layers)
-        )
+        with fp8_init_context(config):  # fp8 weights (--fp8-param-gather) are made fp8 here
+            self.layers = torch.nn.ModuleList(
+                MoELayer(config, submodules=submodules, layer_number=i + 1) for i in range(layers)
+            )
 
     def mark_first_microbatch(self) -> None:
         """What Megatron's schedule does at a step's first micro-batch (`set_is_first_microbatch`):
@@ -146,6 +147,16 @@ def forward_backward(stack, x, loss_weights, micro_batches: int = 1, after_first
             after_first_forward()
         (out.float() * loss_weights).sum().backward()
     return out
+
+
+def fp8_init_context(config):
+    """Where TE's layers create fp8 weights (`fp8_param`, Megatron's `--fp8-param-gather`), as a
+    TransformerBlock builds its layers: Megatron's fp8 init context; nothing otherwise."""
+    if not getattr(config, "fp8_param", False):
+        return contextlib.nullcontext()
+    from megatron.core.fp8_utils import get_fp8_context
+
+    return get_fp8_context(config, is_init=True)
 
 
 def fp8_context(config):
