@@ -122,7 +122,8 @@ def fp8_modes(capacity_factor: float, recipe: str) -> tuple[Mode, ...]:
     # fp8 primary weights: TE's layers keep their weights in fp8 and cast nothing in the step.
     fp8_weights = Mode(
         "capacity+equal+te+fp8+fp8-weights",
-        f"as capacity+equal+te+fp8, the expert weights kept in fp8 (--fp8-param-gather), checked against {FP8_REFERENCE}",
+        f"as capacity+equal+te+fp8, the expert weights kept in fp8 (--fp8-param-gather), "
+        f"checked against {FP8_REFERENCE}",
         (*op_fuser.flags, "--fp8-param-gather", "--use-distributed-optimizer"),
         dict(op_fuser.overrides, fp8_param=True),
         experts="te-op-fuser",
