@@ -70,6 +70,7 @@ GRAPHED = (
     "capacity+equal+te",
     "capacity+equal+static+te",
     "capacity+equal+te+fp8",
+    "capacity+equal+te+fp8+fp8-weights",
     "capacity+equal+static+te+fp8",
 )
 GRAPH_SKIP_REASON = "CUDA graphs need a GPU"
