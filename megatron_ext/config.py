@@ -88,6 +88,15 @@ class HybridEPTransformerConfig(TransformerConfig):
     run with a device assert. The torch implementation only (auto picks it; deep_ep's dispatch
     gathers the dense map whatever it is given)."""
 
+    moe_hybridep_fp8_dispatch: bool = False
+    """[megatron-ext] With --fp8-format e4m3 --fp8-recipe blockwise: quantize each token in
+    1 x 128 blocks before the dispatch, by the rule of the experts' own quantization, move its e4m3
+    bytes and float32 scales (H + H/32 bytes a row, 0.52x bf16's), and dequantize the rows on
+    arrival. The experts' forward then computes what it would from bf16 rows (their quantization
+    gives back the same values); the first expert GEMM's weight gradient sees the dequantized rows.
+    Pays where rows cross GPUs (expert parallelism); on one rank it adds a quantization and a
+    dequantization pass. The hidden size must be a multiple of 128 (512 with deep_ep)."""
+
     moe_hybridep_warm_up: bool = False
     """[megatron-ext] Before Megatron's training loop starts, build every MoE layer's HybridEP
     buffer and run its dispatch and combine once, forward and backward, on made-up tokens of the

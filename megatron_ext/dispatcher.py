@@ -62,6 +62,7 @@ from megatron_ext.options import (
     HybridEPOptions,
     deep_ep_import_error,
     flag,
+    fp8_dispatch_implementation,
     requested_implementation,
     resolve_implementation,
     validate,
@@ -391,6 +392,7 @@ class HybridEPCapacityManager:
                 num_local_experts=self.num_local_experts,
                 num_permuted_tokens=capacity,
                 pad_multiple=self.pad_multiple,
+                in_fp8=self.options.fp8_dispatch,  # deep_ep compiles other kernels for 1-byte rows
             )
             capacity = capacity or rows.shape[0]  # a blocking dispatch's rows are known on the host
             combined = autograd.combine(
@@ -432,6 +434,7 @@ class HybridEPCapacityManager:
             num_local_experts=self.num_local_experts,
             num_permuted_tokens=capacity,
             pad_multiple=self.pad_multiple,
+            in_fp8=self.options.fp8_dispatch,
         )
         # Consumed: kept past the step, the probs would keep their autograd history (the router's) alive.
         self.token_probs = None
@@ -697,6 +700,8 @@ def agreed_implementation(options: HybridEPOptions, hidden_size: Optional[int], 
     every rank raises instead, naming the ranks and why."""
     requested = requested_implementation(options)
     implementation = resolve_implementation(requested, hidden_size)
+    if requested == AUTO and implementation == "deep_ep" and options.fp8_dispatch:
+        implementation = fp8_dispatch_implementation(hidden_size)
     if requested != AUTO or group is None or dist.get_world_size(group) == 1:
         return implementation
     key = (group, hidden_size)

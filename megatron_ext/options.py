@@ -54,6 +54,7 @@ class HybridEPOptions:
     transport: Transport = AUTO
     static_expert_splits: bool = False
     compact_routing: bool = False
+    fp8_dispatch: bool = False
     warm_up: bool = False
     kernel_cache: Optional[str] = None
 
@@ -214,6 +215,56 @@ def _check_kernel_cache(options: HybridEPOptions) -> None:
             "can create. Give a writable folder (on a disk that outlives the job, shared by the job's nodes "
             "where it can be)."
         )
+
+
+FP8_DISPATCH_FLAG = flag(CONFIG_PREFIX + "fp8_dispatch")
+FP8_DISPATCH_BLOCK = 128  # megatron_ext.hybridep.fp8.BLOCK
+DEEP_EP_FP8_HIDDEN_MULTIPLE = 512  # deep_ep 1.2.1's fp8 dispatch kernels
+
+
+def _check_fp8_dispatch(config: Any, options: HybridEPOptions) -> None:
+    """--moe-hybridep-fp8-dispatch: the experts must quantize their input as the dispatch does
+    (TE's `blockwise`, e4m3 forward), else the layer would train on values no recipe asked for;
+    and the hidden size must split into its blocks (deep_ep: a multiple of 512)."""
+    recipe = getattr(config, "fp8_recipe", None)
+    fmt = getattr(config, "fp8", None)
+    if not fmt or recipe != "blockwise" or fmt not in ("e4m3", "hybrid"):
+        have = f"--fp8-format {fmt} --fp8-recipe {recipe}" if fmt else "no --fp8-format (bf16 experts)"
+        raise HybridEPConfigError(
+            f"{FP8_DISPATCH_FLAG} quantizes tokens in 1 x 128 blocks as --fp8-recipe blockwise quantizes the "
+            f"experts' input, so that the experts compute what they would from bf16 rows; with {have} it would "
+            f"change the layer's results. Use --fp8-format e4m3 --fp8-recipe blockwise, or drop {FP8_DISPATCH_FLAG}."
+        )
+    hidden = getattr(config, "hidden_size", None)
+    if hidden is not None and hidden % FP8_DISPATCH_BLOCK:
+        raise HybridEPConfigError(
+            f"{FP8_DISPATCH_FLAG} with --hidden-size {hidden}: tokens are quantized in blocks of "
+            f"{FP8_DISPATCH_BLOCK} values; use a hidden size that is a multiple of {FP8_DISPATCH_BLOCK}, or drop it."
+        )
+    if hidden is not None and hidden % DEEP_EP_FP8_HIDDEN_MULTIPLE and options.implementation == "deep_ep":
+        raise HybridEPConfigError(
+            f"{FP8_DISPATCH_FLAG} with {flag(CONFIG_PREFIX + 'implementation')} deep_ep and --hidden-size {hidden}: "
+            f"deep_ep's fp8 dispatch takes hidden sizes that are multiples of {DEEP_EP_FP8_HIDDEN_MULTIPLE}. Use "
+            f"{flag(CONFIG_PREFIX + 'implementation')} torch (or auto, which picks it), or drop {FP8_DISPATCH_FLAG}."
+        )
+
+
+def fp8_dispatch_implementation(hidden_size: Optional[int]) -> str:
+    """What `auto` picks for --moe-hybridep-fp8-dispatch where deep_ep imports: deep_ep where its
+    fp8 kernels take the hidden size, else torch (logged once)."""
+    if hidden_size is None or hidden_size % DEEP_EP_FP8_HIDDEN_MULTIPLE == 0:
+        return "deep_ep"
+    if FP8_DISPATCH_FLAG not in _AUTO_FALLBACKS_LOGGED:
+        _AUTO_FALLBACKS_LOGGED.add(FP8_DISPATCH_FLAG)
+        logger.info(
+            "megatron-ext: %s auto uses the torch implementation for %s: deep_ep's fp8 dispatch takes hidden "
+            "sizes that are multiples of %d, not %d.",
+            flag(CONFIG_PREFIX + "implementation"),
+            FP8_DISPATCH_FLAG,
+            DEEP_EP_FP8_HIDDEN_MULTIPLE,
+            hidden_size,
+        )
+    return "torch"
 
 
 def requested_implementation(options: HybridEPOptions) -> str:
@@ -605,6 +656,8 @@ def validate(config: Any) -> HybridEPOptions:
         )
     if options.kernel_cache is not None:
         _check_kernel_cache(options)
+    if options.fp8_dispatch:
+        _check_fp8_dispatch(config, options)
     if options.overflow_policy != "rerun" and options.capacity_factor is None:
         raise HybridEPConfigError(
             f"{flag('moe_hybridep_overflow_policy')} {options.overflow_policy} says what a capacity-mode "

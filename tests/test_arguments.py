@@ -74,8 +74,10 @@ HELP_PHRASES = {
     "--moe-hybridep-overflow-policy": "run again with blocking dispatches",
     "--moe-hybridep-transport": "all_to_all_vdev",
     "--moe-hybridep-compact-routing": "top-k expert indices",
+    "--moe-hybridep-fp8-dispatch": "1 x 128 blocks",
     "--moe-hybridep-kernel-cache": "across jobs",
 }
+FP8 = ["--fp8-format", "e4m3", "--fp8-recipe"]
 TINY = dict(num_layers=1, hidden_size=16, num_attention_heads=1, num_moe_experts=4)
 HYBRIDEP = dict(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="hybridep")
 
@@ -190,6 +192,7 @@ def test_field_names():
         "moe_hybridep_transport",
         "moe_hybridep_static_expert_splits",
         "moe_hybridep_compact_routing",
+        "moe_hybridep_fp8_dispatch",
         "moe_hybridep_warm_up",
         "moe_hybridep_kernel_cache",
     )
@@ -362,6 +365,31 @@ def test_patched_help_lists_flags_and_docstrings(patched, monkeypatch, capsys):
             ["--moe-hybridep-compact-routing: megatron-ext's options work with the HybridEP flex dispatcher only"],
         ),
         (
+            ["--moe-hybridep-fp8-dispatch"],
+            [
+                "--moe-hybridep-fp8-dispatch quantizes tokens in 1 x 128 blocks",
+                "with no --fp8-format (bf16 experts) it would change the layer's results",
+                "Use --fp8-format e4m3 --fp8-recipe blockwise",
+            ],
+        ),
+        (
+            ["--moe-hybridep-fp8-dispatch", *FP8, "tensorwise"],
+            ["with --fp8-format e4m3 --fp8-recipe tensorwise it would change the layer's results"],
+        ),
+        (
+            ["--moe-hybridep-fp8-dispatch", *FP8, "blockwise", "--hidden-size", "200"],
+            ["--moe-hybridep-fp8-dispatch with --hidden-size 200", "a multiple of 128"],
+        ),
+        (
+            ["--moe-hybridep-fp8-dispatch", *FP8, "blockwise", "--hidden-size", "640"]
+            + ["--moe-hybridep-implementation", "deep_ep"],
+            [
+                "--moe-hybridep-fp8-dispatch with --moe-hybridep-implementation deep_ep and --hidden-size 640",
+                "multiples of 512",
+                "Use --moe-hybridep-implementation torch (or auto, which picks it)",
+            ],
+        ),
+        (
             ["--moe-hybridep-kernel-cache", __file__ + "/kernels"],
             ["--moe-hybridep-kernel-cache", "not a folder this process can write", "Give a writable folder"],
         ),
@@ -381,6 +409,10 @@ def test_patched_help_lists_flags_and_docstrings(patched, monkeypatch, capsys):
         "transport-with-deep_ep",
         "compact-routing-with-deep_ep",
         "compact-routing-alltoall",
+        "fp8-dispatch-in-bf16",
+        "fp8-dispatch-tensorwise",
+        "fp8-dispatch-hidden-200",
+        "fp8-dispatch-deep_ep-hidden-640",
         "kernel-cache-under-a-file",
     ],
 )
@@ -1057,3 +1089,17 @@ def test_whole_layer_local_graphs_with_torch_norms_are_refused_where_megatron_re
     # The MoE layer alone: its input's readers (the router's gating, the experts) save it in Python.
     moe_only = [*whole_layer, "--cuda-graph-modules", "moe", "--transformer-impl", "local"]
     assert [m.name for m in parse(patched, monkeypatch, *moe_only).cuda_graph_modules] == ["moe"]
+
+
+def test_fp8_dispatch_is_accepted_with_blockwise_and_auto_takes_torch_where_deep_ep_cannot():
+    """The one combination it needs passes the checks; `auto` keeps deep_ep where its fp8 kernels
+    take the hidden size (a multiple of 512) and picks torch elsewhere."""
+    import argparse
+
+    from megatron_ext.options import fp8_dispatch_implementation, validate
+
+    config = argparse.Namespace(
+        **HYBRIDEP, moe_hybridep_fp8_dispatch=True, fp8="e4m3", fp8_recipe="blockwise", hidden_size=384
+    )
+    assert validate(config).fp8_dispatch
+    assert fp8_dispatch_implementation(1024) == "deep_ep" and fp8_dispatch_implementation(384) == "torch"

@@ -613,6 +613,8 @@ def test_every_fp8_mode_is_one_megatron_ext_accepts_for_its_recipe(recipe):
     expected = [FP8_REFERENCE, "capacity+equal+static+te+fp8"]
     if recipe != "delayed":
         expected[1:1] = ["capacity+equal+te+fp8", "capacity+equal+te+fp8+fp8-weights"]
+    if recipe == "blockwise":  # fp8 on the wire: blockwise's blocks only
+        expected.insert(3, "capacity+equal+te+fp8+fp8-dispatch")
     assert [m.name for m in modes] == expected
     for mode in modes:
         config = argparse.Namespace(transformer_impl="transformer_engine", moe_grouped_gemm=True, **mode.overrides)

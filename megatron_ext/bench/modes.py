@@ -130,6 +130,17 @@ def fp8_modes(capacity_factor: float, recipe: str) -> tuple[Mode, ...]:
         experts="te-op-fuser",
         **checked,
     )
+    # fp8 on the wire: tokens quantized before the dispatch in blockwise's 1 x 128 blocks, dequantized
+    # after it; the forward as the reference's, the first GEMM's weight gradient close to it.
+    fp8_dispatch = Mode(
+        "capacity+equal+te+fp8+fp8-dispatch",
+        f"as capacity+equal+te+fp8, tokens dispatched in fp8 (--moe-hybridep-fp8-dispatch), "
+        f"checked against {FP8_REFERENCE}",
+        (*op_fuser.flags, "--moe-hybridep-fp8-dispatch"),
+        dict(op_fuser.overrides, moe_hybridep_fp8_dispatch=True),
+        experts="te-op-fuser",
+        **checked,
+    )
     static = Mode(
         "capacity+equal+static+te+fp8",
         f"as capacity+equal+static+te in fp8 ({recipe}), checked against {FP8_REFERENCE}",
@@ -139,7 +150,9 @@ def fp8_modes(capacity_factor: float, recipe: str) -> tuple[Mode, ...]:
         **checked,
     )
     # Other recipes: TE's op-fuser experts would read the counts on the host (refused in capacity mode).
-    return (reference, op_fuser, fp8_weights, static) if recipe in FP8_RECIPES else (reference, static)
+    if recipe not in FP8_RECIPES:
+        return (reference, static)
+    return (reference, op_fuser, fp8_weights, *((fp8_dispatch,) if recipe == "blockwise" else ()), static)
 
 
 def all_modes(capacity_factor: float, fp8_recipe: str | None = None) -> tuple[Mode, ...]:

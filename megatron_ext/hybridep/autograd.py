@@ -14,6 +14,7 @@ from typing import Optional
 
 import torch
 
+from megatron_ext.hybridep import fp8
 from megatron_ext.hybridep.protocol import DispatchOutput, Handle, HybridEPBuffer
 
 
@@ -25,16 +26,26 @@ def dispatch_with_capacity(buffer: HybridEPBuffer, capacity: Optional[int], **in
 
 class _Dispatch(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, probs, buffer: HybridEPBuffer, routing_map, num_local_experts, capacity, pad_multiple):
-        rows, row_probs, _, tokens_per_expert, handle = dispatch_with_capacity(
+    def forward(
+        ctx, hidden, probs, buffer: HybridEPBuffer, routing_map, num_local_experts, capacity, pad_multiple, in_fp8
+    ):
+        # In fp8: the tokens quantized in 1 x 128 blocks, their bytes and scales dispatched, the rows
+        # dequantized on arrival; the gradient passes straight through (as TE's quantization does).
+        quantized = {}
+        if in_fp8:
+            data, scale_inv = fp8.quantize(hidden)
+            quantized = dict(hidden=data.view(torch.uint8), use_fp8=True, scaling_factor=scale_inv)
+        rows, row_probs, row_scales, tokens_per_expert, handle = dispatch_with_capacity(
             buffer,
             capacity,
-            hidden=hidden,
+            **{"hidden": hidden, **quantized},
             routing_map=routing_map,
             probs=probs,
             num_of_experts_per_rank=num_local_experts,
             pad_multiple=pad_multiple,
         )
+        if in_fp8:
+            rows = fp8.dequantize(rows, row_scales, hidden.dtype)
         ctx.buffer, ctx.handle, ctx.pad_multiple = buffer, handle, pad_multiple
         ctx.rows_shape, ctx.rows_dtype = rows.shape, rows.dtype
         ctx.mark_non_differentiable(tokens_per_expert)
@@ -50,7 +61,7 @@ class _Dispatch(torch.autograd.Function):
             handle=ctx.handle,
             pad_multiple=ctx.pad_multiple,
         )
-        return grad_hidden, grad_probs, None, None, None, None, None
+        return grad_hidden, grad_probs, None, None, None, None, None, None
 
 
 class _Combine(torch.autograd.Function):
@@ -86,6 +97,7 @@ def dispatch(
     num_local_experts: int,
     num_permuted_tokens: Optional[int] = None,
     pad_multiple: Optional[int] = None,
+    in_fp8: bool = False,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor, Handle]:
     """Differentiable `buffer.dispatch_with_permute`: gradients reach `hidden` and `probs`.
 
@@ -93,12 +105,16 @@ def dispatch(
         hidden: `[T, H]`; routing_map: `[T, E]` bool; probs: `[T, E]` float32 or None.
         num_permuted_tokens: the capacity: None (a blocking dispatch, sized to the rows it
             produces) or a host int (non-blocking, exactly that many rows).
+        in_fp8: move the tokens as e4m3 in 1 x 128 blocks with their scales and return the rows
+            dequantized to `hidden`'s dtype (`megatron_ext.hybridep.fp8`; H a multiple of 128).
 
     Returns:
         `(rows [capacity, H], row_probs [capacity] float32 or None, tokens_per_expert [L] int64,
         handle)`; after a blocking dispatch the capacity is its rows, `rows.shape[0]`.
     """
-    return _Dispatch.apply(hidden, probs, buffer, routing_map, num_local_experts, num_permuted_tokens, pad_multiple)
+    return _Dispatch.apply(
+        hidden, probs, buffer, routing_map, num_local_experts, num_permuted_tokens, pad_multiple, in_fp8
+    )
 
 
 def combine(
