@@ -183,11 +183,13 @@ FP8_MAX = 448.0  # e4m3's largest value
 
 def _quantize_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """An independent row-local quantizer: each 1 x FP8_BLOCK block scaled to e4m3's range.
-    Returns (data [R, H] float8_e4m3fn, scale inverses [R, H / FP8_BLOCK] float32)."""
-    blocks = rows.float().reshape(rows.shape[0], -1, FP8_BLOCK)
+    Returns (data [R, H] float8_e4m3fn, scale inverses [R, H / FP8_BLOCK] float32) on `rows`'
+    device. Computed on the CPU: CUDA divides by a scalar through its reciprocal, a last bit
+    apart from the CPU's division, and the checks compare quantizations made on either side."""
+    blocks = rows.detach().cpu().float().reshape(rows.shape[0], -1, FP8_BLOCK)
     scale_inv = blocks.abs().amax(dim=2).clamp(min=1e-12) / FP8_MAX
     data = (blocks / scale_inv.unsqueeze(2)).to(torch.float8_e4m3fn)
-    return data.reshape(rows.shape), scale_inv
+    return data.reshape(rows.shape).to(rows.device), scale_inv.to(rows.device)
 
 
 def _fp8_dispatch(buf, m, p, num_local, capacity, pad_multiple, traffic=True, **quantized):
