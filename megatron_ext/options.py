@@ -220,6 +220,7 @@ def _check_kernel_cache(options: HybridEPOptions) -> None:
 FP8_DISPATCH_FLAG = flag(CONFIG_PREFIX + "fp8_dispatch")
 FP8_DISPATCH_BLOCK = 128  # megatron_ext.hybridep.fp8.BLOCK
 DEEP_EP_FP8_HIDDEN_MULTIPLE = 512  # deep_ep 1.2.1's fp8 dispatch kernels
+TE_FP32_BLOCK_SCALES_ENV = "NVTE_FP8_BLOCK_SCALING_FP32_SCALES"  # TE's blockwise without power-of-two scales
 
 
 def _check_fp8_dispatch(config: Any, options: HybridEPOptions) -> None:
@@ -234,6 +235,12 @@ def _check_fp8_dispatch(config: Any, options: HybridEPOptions) -> None:
             f"{FP8_DISPATCH_FLAG} quantizes tokens in 1 x 128 blocks as --fp8-recipe blockwise quantizes the "
             f"experts' input, so that the experts compute what they would from bf16 rows; with {have} it would "
             f"change the layer's results. Use --fp8-format e4m3 --fp8-recipe blockwise, or drop {FP8_DISPATCH_FLAG}."
+        )
+    if os.environ.get(TE_FP32_BLOCK_SCALES_ENV, "0") == "1":
+        raise HybridEPConfigError(
+            f"{FP8_DISPATCH_FLAG} with {TE_FP32_BLOCK_SCALES_ENV}=1: the dispatch quantizes with power-of-two scales, "
+            "TE's default, which TE's quantization of the dispatched rows gives back unchanged; with float32 "
+            f"scales it would not. Unset {TE_FP32_BLOCK_SCALES_ENV}, or drop {FP8_DISPATCH_FLAG}."
         )
     hidden = getattr(config, "hidden_size", None)
     if hidden is not None and hidden % FP8_DISPATCH_BLOCK:

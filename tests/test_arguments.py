@@ -1103,3 +1103,18 @@ def test_fp8_dispatch_is_accepted_with_blockwise_and_auto_takes_torch_where_deep
     )
     assert validate(config).fp8_dispatch
     assert fp8_dispatch_implementation(1024) == "deep_ep" and fp8_dispatch_implementation(384) == "torch"
+
+
+def test_fp8_dispatch_is_refused_where_te_quantizes_blockwise_with_float32_scales(monkeypatch):
+    import argparse
+
+    from megatron_ext.options import HybridEPConfigError, validate
+
+    config = argparse.Namespace(
+        **HYBRIDEP, moe_hybridep_fp8_dispatch=True, fp8="e4m3", fp8_recipe="blockwise", hidden_size=384
+    )
+    monkeypatch.setenv("NVTE_FP8_BLOCK_SCALING_FP32_SCALES", "1")
+    with pytest.raises(HybridEPConfigError, match="NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1: the dispatch quantizes"):
+        validate(config)
+    monkeypatch.setenv("NVTE_FP8_BLOCK_SCALING_FP32_SCALES", "0")
+    assert validate(config).fp8_dispatch
