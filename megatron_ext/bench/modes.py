@@ -71,6 +71,7 @@ GRAPHED = (
     "capacity+equal+static+te",
     "capacity+equal+te+fp8",
     "capacity+equal+te+fp8+fp8-weights",
+    "capacity+equal+te+fp8+fp8-dispatch",
     "capacity+equal+static+te+fp8",
 )
 GRAPH_SKIP_REASON = "CUDA graphs need a GPU"
@@ -123,6 +124,7 @@ def fp8_modes(capacity_factor: float, recipe: str) -> tuple[Mode, ...]:
     # fp8 primary weights: TE's layers keep their weights in fp8 and cast nothing in the step.
     fp8_weights = Mode(
         "capacity+equal+te+fp8+fp8-weights",
+    "capacity+equal+te+fp8+fp8-dispatch",
         f"as capacity+equal+te+fp8, the expert weights kept in fp8 (--fp8-param-gather), "
         f"checked against {FP8_REFERENCE}",
         (*op_fuser.flags, "--fp8-param-gather", "--use-distributed-optimizer"),
