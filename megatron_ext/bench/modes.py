@@ -124,7 +124,6 @@ def fp8_modes(capacity_factor: float, recipe: str) -> tuple[Mode, ...]:
     # fp8 primary weights: TE's layers keep their weights in fp8 and cast nothing in the step.
     fp8_weights = Mode(
         "capacity+equal+te+fp8+fp8-weights",
-    "capacity+equal+te+fp8+fp8-dispatch",
         f"as capacity+equal+te+fp8, the expert weights kept in fp8 (--fp8-param-gather), "
         f"checked against {FP8_REFERENCE}",
         (*op_fuser.flags, "--fp8-param-gather", "--use-distributed-optimizer"),
