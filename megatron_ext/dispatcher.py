@@ -62,7 +62,6 @@ from megatron_ext.options import (
     HybridEPOptions,
     deep_ep_import_error,
     flag,
-    fp8_dispatch_implementation,
     requested_implementation,
     resolve_implementation,
     validate,
@@ -699,12 +698,10 @@ def agreed_implementation(options: HybridEPOptions, hidden_size: Optional[int], 
     buffer while the others build deep_ep's, and the two would wait in different collectives:
     every rank raises instead, naming the ranks and why."""
     requested = requested_implementation(options)
-    implementation = resolve_implementation(requested, hidden_size)
-    if requested == AUTO and implementation == "deep_ep" and options.fp8_dispatch:
-        implementation = fp8_dispatch_implementation(hidden_size)
+    implementation = resolve_implementation(requested, hidden_size, options.fp8_dispatch)
     if requested != AUTO or group is None or dist.get_world_size(group) == 1:
         return implementation
-    key = (group, hidden_size)
+    key = (group, hidden_size, options.fp8_dispatch)
     if key in _AGREED:
         return _AGREED[key]
     verdicts: list[Any] = [None] * dist.get_world_size(group)

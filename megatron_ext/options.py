@@ -158,10 +158,14 @@ def accepts_keyword(cls: Any, method: str, argument: str) -> bool:
 # size that is not a multiple of 16.
 DEEP_EP_MIN_HIDDEN = 128
 DEEP_EP_HIDDEN_MULTIPLE = 16
+DEEP_EP_FP8_HIDDEN_MULTIPLE = 512  # deep_ep 1.2.1's fp8 dispatch kernels
+FP8_DISPATCH_FLAG = flag(CONFIG_PREFIX + "fp8_dispatch")
+FP8_DISPATCH_BLOCK = 128  # the values per scale of --moe-hybridep-fp8-dispatch (megatron_ext.hybridep.fp8)
 
 
-def deep_ep_shape_error(hidden_size: Optional[int]) -> Optional[str]:
-    """None when deep_ep's HybridEPBuffer takes this hidden size (or it is not known), else why not."""
+def deep_ep_shape_error(hidden_size: Optional[int], fp8_dispatch: bool = False) -> Optional[str]:
+    """None when deep_ep's HybridEPBuffer takes this hidden size (or it is not known), in fp8 where
+    `fp8_dispatch` (--moe-hybridep-fp8-dispatch), else why not."""
     if hidden_size is None:
         return None
     if hidden_size < DEEP_EP_MIN_HIDDEN:
@@ -174,20 +178,26 @@ def deep_ep_shape_error(hidden_size: Optional[int]) -> Optional[str]:
             f"hidden size {hidden_size} is not a multiple of {DEEP_EP_HIDDEN_MULTIPLE}, as deep_ep's "
             "HybridEPBuffer needs"
         )
+    if fp8_dispatch and hidden_size % DEEP_EP_FP8_HIDDEN_MULTIPLE:
+        return (
+            f"hidden size {hidden_size} is not a multiple of {DEEP_EP_FP8_HIDDEN_MULTIPLE}, as deep_ep's fp8 "
+            f"dispatch ({FP8_DISPATCH_FLAG}) needs"
+        )
     return None
 
 
 _AUTO_FALLBACKS_LOGGED: set[str] = set()
 
 
-def resolve_implementation(requested: str, hidden_size: Optional[int] = None) -> str:
+def resolve_implementation(requested: str, hidden_size: Optional[int] = None, fp8_dispatch: bool = False) -> str:
     """'deep_ep' or 'torch': 'auto' picks deep_ep where its HybridEPBuffer imports and takes
-    `hidden_size`; where it imports but cannot take the size, 'torch', logged once per reason."""
+    `hidden_size` (in fp8 where `fp8_dispatch`); where it imports but cannot take the size,
+    'torch', logged once per reason."""
     if requested != AUTO:
         return requested
     if deep_ep_import_error() is not None:
         return "torch"
-    reason = deep_ep_shape_error(hidden_size)
+    reason = deep_ep_shape_error(hidden_size, fp8_dispatch)
     if reason is None:
         return "deep_ep"
     if reason not in _AUTO_FALLBACKS_LOGGED:
@@ -217,16 +227,13 @@ def _check_kernel_cache(options: HybridEPOptions) -> None:
         )
 
 
-FP8_DISPATCH_FLAG = flag(CONFIG_PREFIX + "fp8_dispatch")
-FP8_DISPATCH_BLOCK = 128  # megatron_ext.hybridep.fp8.BLOCK
-DEEP_EP_FP8_HIDDEN_MULTIPLE = 512  # deep_ep 1.2.1's fp8 dispatch kernels
 TE_FP32_BLOCK_SCALES_ENV = "NVTE_FP8_BLOCK_SCALING_FP32_SCALES"  # TE's blockwise without power-of-two scales
 
 
 def _check_fp8_dispatch(config: Any, options: HybridEPOptions) -> None:
     """--moe-hybridep-fp8-dispatch: the experts must quantize their input as the dispatch does
     (TE's `blockwise`, e4m3 forward), else the layer would train on values no recipe asked for;
-    and the hidden size must split into its blocks (deep_ep: a multiple of 512)."""
+    and the hidden size must split into its blocks (deep_ep's own multiple of 512: `deep_ep_shape_error`)."""
     recipe = getattr(config, "fp8_recipe", None)
     fmt = getattr(config, "fp8", None)
     if not fmt or recipe != "blockwise" or fmt not in ("e4m3", "hybrid"):
@@ -248,30 +255,6 @@ def _check_fp8_dispatch(config: Any, options: HybridEPOptions) -> None:
             f"{FP8_DISPATCH_FLAG} with --hidden-size {hidden}: tokens are quantized in blocks of "
             f"{FP8_DISPATCH_BLOCK} values; use a hidden size that is a multiple of {FP8_DISPATCH_BLOCK}, or drop it."
         )
-    if hidden is not None and hidden % DEEP_EP_FP8_HIDDEN_MULTIPLE and options.implementation == "deep_ep":
-        raise HybridEPConfigError(
-            f"{FP8_DISPATCH_FLAG} with {flag(CONFIG_PREFIX + 'implementation')} deep_ep and --hidden-size {hidden}: "
-            f"deep_ep's fp8 dispatch takes hidden sizes that are multiples of {DEEP_EP_FP8_HIDDEN_MULTIPLE}. Use "
-            f"{flag(CONFIG_PREFIX + 'implementation')} torch (or auto, which picks it), or drop {FP8_DISPATCH_FLAG}."
-        )
-
-
-def fp8_dispatch_implementation(hidden_size: Optional[int]) -> str:
-    """What `auto` picks for --moe-hybridep-fp8-dispatch where deep_ep imports: deep_ep where its
-    fp8 kernels take the hidden size, else torch (logged once)."""
-    if hidden_size is None or hidden_size % DEEP_EP_FP8_HIDDEN_MULTIPLE == 0:
-        return "deep_ep"
-    if FP8_DISPATCH_FLAG not in _AUTO_FALLBACKS_LOGGED:
-        _AUTO_FALLBACKS_LOGGED.add(FP8_DISPATCH_FLAG)
-        logger.info(
-            "megatron-ext: %s auto uses the torch implementation for %s: deep_ep's fp8 dispatch takes hidden "
-            "sizes that are multiples of %d, not %d.",
-            flag(CONFIG_PREFIX + "implementation"),
-            FP8_DISPATCH_FLAG,
-            DEEP_EP_FP8_HIDDEN_MULTIPLE,
-            hidden_size,
-        )
-    return "torch"
 
 
 def requested_implementation(options: HybridEPOptions) -> str:
@@ -734,7 +717,7 @@ def validate(config: Any) -> HybridEPOptions:
             f"{flag('moe_hybridep_equal_token_counts')}; set that flag too, or drop this one."
         )
     if options.implementation == "deep_ep":
-        shape = deep_ep_shape_error(getattr(config, "hidden_size", None))
+        shape = deep_ep_shape_error(getattr(config, "hidden_size", None), options.fp8_dispatch)
         if shape is not None:
             raise HybridEPConfigError(
                 f"{flag('moe_hybridep_implementation')} deep_ep: {shape}. Use "

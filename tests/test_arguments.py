@@ -384,9 +384,9 @@ def test_patched_help_lists_flags_and_docstrings(patched, monkeypatch, capsys):
             ["--moe-hybridep-fp8-dispatch", *FP8, "blockwise", "--hidden-size", "640"]
             + ["--moe-hybridep-implementation", "deep_ep"],
             [
-                "--moe-hybridep-fp8-dispatch with --moe-hybridep-implementation deep_ep and --hidden-size 640",
-                "multiples of 512",
-                "Use --moe-hybridep-implementation torch (or auto, which picks it)",
+                "--moe-hybridep-implementation deep_ep: hidden size 640 is not a multiple of 512, as deep_ep's fp8 "
+                "dispatch (--moe-hybridep-fp8-dispatch) needs",
+                "Use --moe-hybridep-implementation torch (or auto, which picks torch for this size)",
             ],
         ),
         (
@@ -526,6 +526,10 @@ def test_auto_picks_torch_at_a_hidden_size_deep_ep_cannot_take(monkeypatch, capl
     fallbacks = [r.getMessage() for r in caplog.records if "auto uses the torch implementation" in r.getMessage()]
     assert len(fallbacks) == 1 and "hidden size 64 is below 128" in fallbacks[0], fallbacks
     assert options.resolve_implementation("deep_ep", 64) == "deep_ep"  # explicit: validate() refuses it
+    # --moe-hybridep-fp8-dispatch: deep_ep's fp8 kernels take multiples of 512 only.
+    assert options.resolve_implementation("auto", 1024, fp8_dispatch=True) == "deep_ep"
+    assert options.resolve_implementation("auto", 384) == "deep_ep"
+    assert options.resolve_implementation("auto", 384, fp8_dispatch=True) == "torch"
     monkeypatch.setattr(options, "deep_ep_import_error", lambda: "ImportError: no deep_ep")
     assert options.resolve_implementation("auto", 4096) == "torch"
 
@@ -1096,13 +1100,15 @@ def test_fp8_dispatch_is_accepted_with_blockwise_and_auto_takes_torch_where_deep
     take the hidden size (a multiple of 512) and picks torch elsewhere."""
     import argparse
 
-    from megatron_ext.options import fp8_dispatch_implementation, validate
+    from megatron_ext.options import deep_ep_shape_error, validate
 
     config = argparse.Namespace(
         **HYBRIDEP, moe_hybridep_fp8_dispatch=True, fp8="e4m3", fp8_recipe="blockwise", hidden_size=384
     )
     assert validate(config).fp8_dispatch
-    assert fp8_dispatch_implementation(1024) == "deep_ep" and fp8_dispatch_implementation(384) == "torch"
+    # What `auto` reads (options.resolve_implementation): deep_ep's fp8 dispatch takes 1024, not 384.
+    assert deep_ep_shape_error(1024, fp8_dispatch=True) is None and deep_ep_shape_error(384) is None
+    assert "not a multiple of 512, as deep_ep's fp8 dispatch" in deep_ep_shape_error(384, fp8_dispatch=True)
 
 
 def test_fp8_dispatch_is_refused_where_te_quantizes_blockwise_with_float32_scales(monkeypatch):

@@ -189,12 +189,12 @@ def _auto_agrees_or_every_rank_refuses(rank, world_size):
 
     auto = HybridEPOptions(implementation="auto")
     dispatcher._AGREED.clear()
-    dispatcher.resolve_implementation = lambda requested, hidden: "torch"  # the same everywhere: no error
+    dispatcher.resolve_implementation = lambda requested, hidden, fp8_dispatch: "torch"  # the same everywhere: no error
     dispatcher.deep_ep_import_error = lambda: "ModuleNotFoundError: no deep_ep"
     assert dispatcher.agreed_implementation(auto, 256, dist.group.WORLD) == "torch"
     # A node whose deep_ep does not import: every rank raises, naming each rank's choice and why.
     dispatcher._AGREED.clear()
-    dispatcher.resolve_implementation = lambda requested, hidden: "deep_ep" if rank == 0 else "torch"
+    dispatcher.resolve_implementation = lambda requested, hidden, fp8_dispatch: "deep_ep" if rank == 0 else "torch"
     dispatcher.deep_ep_import_error = lambda: None if rank == 0 else "ImportError: libcuda mismatch"
     with pytest.raises(HybridEPConfigError) as refused:
         dispatcher.agreed_implementation(auto, 256, dist.group.WORLD)

@@ -31,18 +31,19 @@ class _Dispatch(torch.autograd.Function):
     ):
         # In fp8: the tokens quantized in 1 x 128 blocks, their bytes and scales dispatched, the rows
         # dequantized on arrival; the gradient passes straight through (as TE's quantization does).
-        quantized = {}
+        sent, fp8_keywords = hidden, {}
         if in_fp8:
             data, scale_inv = fp8.quantize(hidden)
-            quantized = dict(hidden=data.view(torch.uint8), use_fp8=True, scaling_factor=scale_inv)
+            sent, fp8_keywords = data.view(torch.uint8), dict(use_fp8=True, scaling_factor=scale_inv)
         rows, row_probs, row_scales, tokens_per_expert, handle = dispatch_with_capacity(
             buffer,
             capacity,
-            **{"hidden": hidden, **quantized},
+            hidden=sent,
             routing_map=routing_map,
             probs=probs,
             num_of_experts_per_rank=num_local_experts,
             pad_multiple=pad_multiple,
+            **fp8_keywords,
         )
         if in_fp8:
             rows = fp8.dequantize(rows, row_scales, hidden.dtype)

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import torch
 
-BLOCK = 128
+from megatron_ext.options import FP8_DISPATCH_BLOCK as BLOCK
+
 E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
 _EXPONENT_BITS = -8388608  # 0xFF800000 as int32: sign and exponent of a float32, mantissa cleared
 
