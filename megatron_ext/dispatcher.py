@@ -50,7 +50,7 @@ from megatron.core.transformer.moe.token_dispatcher import MoEFlexTokenDispatche
 
 from megatron_ext import budget as budgets
 from megatron_ext.capacity import budget_from_rows, capacity_from_rows, equal_count_padding, half_headroom
-from megatron_ext.hybridep import autograd, overflow_flag
+from megatron_ext.hybridep import autograd, fp8, overflow_flag
 from megatron_ext.hybridep.buffers import get_buffer
 from megatron_ext.hybridep.deep_ep_buffer import DeepEPTuning, tuning_flags_set
 from megatron_ext.hybridep.protocol import Handle, HybridEPBuffer
@@ -211,6 +211,9 @@ class HybridEPCapacityManager:
         self._default_name = f"MoE layer #{next(_layer_counter)}"
         self._layer: Optional[weakref.ref] = None  # the MoELayer, bound by the MoELayer patch
         self.pad_multiple = get_align_size_for_quantization(config) if (config.fp8 or config.fp4) else None
+        # --moe-hybridep-fp8-dispatch: the combine's backward dispatches the gradients in fp8 too, in
+        # the format TE's recipe quantizes them in (the forward's tokens go in e4m3).
+        self.grad_fp8 = fp8.gradient_dtype(config.fp8) if options.fp8_dispatch else None
         self.capacity: Optional[int] = None
         self.local_calibration_rows: Optional[int] = None  # this rank's rows in the calibration dispatch
         self.calibrated_rows: Optional[int] = None  # their EP-group maximum
@@ -395,7 +398,12 @@ class HybridEPCapacityManager:
             )
             capacity = capacity or rows.shape[0]  # a blocking dispatch's rows are known on the host
             combined = autograd.combine(
-                buffer, rows, handle, num_permuted_tokens=capacity, pad_multiple=self.pad_multiple
+                buffer,
+                rows,
+                handle,
+                num_permuted_tokens=capacity,
+                pad_multiple=self.pad_multiple,
+                grad_fp8=self.grad_fp8,
             )
             combined.float().sum().backward()
         return True
@@ -485,6 +493,7 @@ class HybridEPCapacityManager:
             inflight.handle,
             num_permuted_tokens=inflight.capacity,
             pad_multiple=self.pad_multiple,
+            grad_fp8=self.grad_fp8,
         )
         return tokens[: inflight.num_tokens]
 

@@ -146,6 +146,34 @@ def test_combine_rejects(gloo_group):
     _raises("hidden", "[6, H] to match the handle", buf.dispatch_with_permute, hidden=x[:-1], handle=handle)
 
 
+def test_a_handle_keeps_the_row_type_of_the_dispatch_that_made_it(gloo_group):
+    """As in deep_ep, whose handle carries its dispatch's kernel configuration: a handle made by an
+    fp8 dispatch takes fp8 rows only, one made by a plain dispatch plain rows only."""
+    buf = TorchHybridEPBuffer(gloo_group, 128, 6, 4)
+    x, m, p = _inputs(hidden=128)
+    data, scales = x.to(torch.float8_e4m3fn).view(torch.uint8), torch.ones(6, 1)
+    plain = buf.dispatch_with_permute(hidden=x, routing_map=m, probs=p)[-1]
+    quantized = buf.dispatch_with_permute(hidden=data, routing_map=m, probs=p, use_fp8=True, scaling_factor=scales)[-1]
+    _raises(
+        "use_fp8",
+        "True, as in the dispatch that made this handle",
+        buf.dispatch_with_permute,
+        hidden=x,
+        handle=quantized,
+    )
+    _raises(
+        "use_fp8",
+        "False, as in the dispatch that made this handle",
+        buf.dispatch_with_permute,
+        hidden=data,
+        handle=plain,
+        use_fp8=True,
+        scaling_factor=scales,
+    )
+    rows = buf.dispatch_with_permute(hidden=data, handle=quantized, use_fp8=True, scaling_factor=scales)[0]
+    assert rows.dtype == torch.uint8 and rows.shape[1] == 128
+
+
 def test_edge_inputs_work(gloo_group):
     """Tokens routed nowhere, experts that receive nothing, an empty dispatch, top-k indices."""
     buf = TorchHybridEPBuffer(gloo_group, 8, 6, 4)

@@ -25,6 +25,21 @@ def test_each_block_gets_448_over_its_amax_rounded_down_to_a_power_of_two():
     assert torch.equal(data[1, 128:].float(), torch.zeros(128))
 
 
+def test_gradients_go_in_the_recipes_backward_format_with_its_own_largest_value():
+    assert fp8.gradient_dtype("e4m3") == torch.float8_e4m3fn and fp8.gradient_dtype("hybrid") == torch.float8_e5m2
+    with pytest.raises(ValueError, match="--fp8-format 'e5m2'"):
+        fp8.gradient_dtype("e5m2")
+    x = torch.zeros(2, 128)
+    x[0] = torch.linspace(-1.0, 1.0, 128)  # amax 1: 57344 -> 2^15
+    x[1, 0] = 3e-4  # amax 3e-4: 1.9e8 -> 2^27
+    data, scale_inv = fp8.quantize(x, torch.float8_e5m2)
+    assert data.dtype == torch.float8_e5m2
+    assert scale_inv.tolist() == [[2.0**-15], [2.0**-27]]
+    assert data[1, 0].float() == 40960.0  # 3e-4 x 2^27 = 40265.3, to e5m2's nearest (2 mantissa bits)
+    back = fp8.dequantize(data.view(torch.uint8), scale_inv, torch.bfloat16, torch.float8_e5m2)
+    assert torch.equal(fp8.dequantize(*fp8.quantize(back, torch.float8_e5m2), torch.bfloat16, torch.float8_e5m2), back)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_values_come_back_within_e4m3s_rounding_and_quantize_again_to_the_same_values(dtype):
     torch.manual_seed(0)

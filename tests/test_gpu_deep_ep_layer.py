@@ -119,6 +119,39 @@ def test_deep_ep_capacity_mode_equals_blocking(megatron, variant):
         assert not probe.waited, probe
 
 
+def test_deep_ep_fp8_dispatch_equals_the_torch_implementations(megatron, monkeypatch):
+    """--moe-hybridep-fp8-dispatch on deep_ep (its 1-byte kernels, the forward's tokens and the
+    backward's gradients in fp8 with their scales), blocking and in capacity mode without a host
+    read, against the torch implementation's fp8 dispatch: bit for bit, forward and backward; and
+    not what the bf16 dispatch gives."""
+    from megatron_ext import options
+    from megatron_ext.hybridep import fp8
+    from megatron_ext.tooling.sync import forbid_host_sync
+
+    # Refused without TE's blockwise recipe, whose fp8 experts these bf16 ones stand in for; the
+    # gradients go in e4m3, as under --fp8-format e4m3.
+    monkeypatch.setattr(options, "_check_fp8_dispatch", lambda config, opts: None)
+    monkeypatch.setattr(fp8, "gradient_dtype", lambda fmt: torch.float8_e4m3fn)
+    in_fp8 = dict(moe_hybridep_fp8_dispatch=True)
+    reference = _stack(dict(TORCH, **in_fp8))
+    blocking = _stack(dict(DEEP_EP, **in_fp8))
+    capacity = _stack(dict(DEEP_EP, **in_fp8, moe_hybridep_capacity_factor=1.5, **EQUAL))
+    bf16 = _stack(DEEP_EP)
+    for stack in (blocking, capacity, bf16):
+        copy_weights(reference, stack)
+    inputs = _inputs(3)
+
+    expected = run_steps(reference, inputs)
+    assert_same_steps(expected, run_steps(blocking, inputs), "deep_ep fp8 blocking against torch fp8 blocking")
+    actual = run_steps(capacity, inputs[:1])  # calibration
+    with forbid_host_sync():
+        actual += run_steps(capacity, inputs[1:])
+    torch.cuda.synchronize()
+    assert_same_steps(expected, actual, "deep_ep fp8 capacity 1.5 + equal against torch fp8 blocking")
+    assert all(layer.token_dispatcher.capacity_manager.implementation == "deep_ep" for layer in capacity.layers)
+    assert not torch.equal(run_steps(bf16, inputs[:1])[0][0], expected[0][0])
+
+
 def test_deep_ep_blocking_makes_the_host_wait(megatron):
     from megatron_ext.tooling.sync import runahead_probe
 

@@ -322,11 +322,29 @@ def compact_routing_equals_dense(rank, world):
     assert sent["blocking"].allocations == (0 if world == 1 else 2 * len(inputs)), sent["blocking"]
 
 
+class _QuantizedGradient(torch.autograd.Function):
+    """Identity forward; the gradient quantized in 1 x 128 blocks of `fp8_dtype` and dequantized."""
+
+    @staticmethod
+    def forward(ctx, x, fp8_dtype):
+        ctx.fp8_dtype = fp8_dtype
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        from megatron_ext.hybridep import fp8
+
+        data, scale_inv = fp8.quantize(grad.reshape(-1, grad.shape[-1]), ctx.fp8_dtype)
+        return fp8.dequantize(data, scale_inv, grad.dtype, ctx.fp8_dtype).view_as(grad), None
+
+
 def fp8_dispatch_equals_dispatching_quantized_tokens(rank, world):
     """--moe-hybridep-fp8-dispatch in real MoE layers, blocking and in capacity mode (no host read):
     bitwise the results of the plain dispatch fed the tokens quantized and dequantized in 1 x 128
-    blocks (the quantization's gradient passed straight through), forward and backward; the
-    dispatch sends H + H/32 bytes a row instead of the layer dtype's."""
+    blocks of e4m3, and the combine's backward fed the gradients quantized and dequantized likewise
+    in the recipe's gradient format (e4m3 for --fp8-format e4m3, e5m2 for hybrid), each
+    quantization's gradient passed straight through, forward and backward; both dispatches send
+    H + H/32 bytes a row instead of the layer dtype's."""
     from megatron_ext import options
     from megatron_ext.hybridep import fp8
     from megatron_ext.hybridep.buffers import release_buffers
@@ -338,18 +356,23 @@ def fp8_dispatch_equals_dispatching_quantized_tokens(rank, world):
     capacity = dict(moe_hybridep_capacity_factor=1.5, moe_hybridep_equal_token_counts=True)
     inputs = step_inputs(rank, 2, 32, hidden, seed=21)  # a calibration, then a non-blocking step
 
-    def layer(in_fp8, **flags):
+    def layer(in_fp8, gradient_format="e4m3", **flags):
         # The option is refused without --fp8-recipe blockwise (TE's fp8 experts), which a CPU
-        # lacks; the recipe check is lifted here, around megatron-ext's bf16 experts.
-        check = options._check_fp8_dispatch
+        # lacks, and the gradients' format is the recipe's --fp8-format: both are set here, around
+        # megatron-ext's bf16 experts.
+        check, gradient_dtype = options._check_fp8_dispatch, fp8.gradient_dtype
         options._check_fp8_dispatch = lambda config, opts: None
+        fp8.gradient_dtype = lambda fmt: gradient_dtype(gradient_format)
         try:
             return moe_layer(make_config(world, **wide, **flags, moe_hybridep_fp8_dispatch=in_fp8), "grouped", 31)
         finally:
-            options._check_fp8_dispatch = check
+            options._check_fp8_dispatch, fp8.gradient_dtype = check, gradient_dtype
 
-    def quantized_tokens(plain):
-        manager, dispatch = _manager(plain), _manager(plain).dispatch
+    def quantized(plain, gradient_dtype=None):
+        """`plain` dispatching quantized tokens, and, with `gradient_dtype`, combining into a
+        quantized gradient."""
+        manager = _manager(plain)
+        dispatch, combine = manager.dispatch, manager.combine
 
         def dispatch_quantized(hidden_states, *args, **kwargs):
             data, scale_inv = fp8.quantize(hidden_states.detach())
@@ -357,19 +380,28 @@ def fp8_dispatch_equals_dispatching_quantized_tokens(rank, world):
             straight_through = qdq + (hidden_states - hidden_states.detach())  # qdq's values, hidden's gradient
             return dispatch(straight_through, *args, **kwargs)
 
+        def combine_quantized(*args, **kwargs):
+            return _QuantizedGradient.apply(combine(*args, **kwargs), gradient_dtype)
+
         manager.dispatch = dispatch_quantized
+        if gradient_dtype is not None:
+            manager.combine = combine_quantized
         return plain
 
-    for flags in ({}, capacity):
-        reference, ours = quantized_tokens(layer(False, **flags)), layer(True, **flags)
+    cases = [("e4m3", {}), ("e4m3", capacity), ("hybrid", capacity)]
+    for gradient_format, flags in cases:
+        grad_dtype = fp8.gradient_dtype(gradient_format)
+        reference = quantized(layer(False, **flags), grad_dtype)
+        ours = layer(True, gradient_format, **flags)
         assert _manager(ours).options.fp8_dispatch and not _manager(reference).options.fp8_dispatch
+        assert _manager(ours).grad_fp8 == grad_dtype
         expected = run_steps(reference, inputs)
         actual = run_steps(ours, inputs[:1])
         with forbid_host_sync() if flags else contextlib.nullcontext():
             actual += run_steps(ours, inputs[1:])
         _assert_same(expected, actual)
         if world > 1 and not flags:  # blocking: exact rows, so the bytes compare row for row
-            # The forward's dispatch alone (the backward's is the combine's, of bf16 gradients).
+            # The forward's dispatch; the backward's (the combine's) moves as many rows alike.
             sent, sent_plain = [
                 (layer_(inputs[0]), _manager(layer_).last_buffer.last_dispatch_traffic)[1]
                 for layer_ in (ours, reference)
@@ -379,9 +411,14 @@ def fp8_dispatch_equals_dispatching_quantized_tokens(rank, world):
                 hidden
             ), (sent, sent_plain)
         release_buffers()
-    # The same results do not come from dispatching the tokens unquantized.
+    # The same results come neither from dispatching the tokens unquantized, nor from dispatching
+    # the gradients unquantized or in e4m3 (the last case's expected gradients are e5m2's).
     plain = layer(False)  # the same seed: the same weights
     assert not torch.equal(run_steps(plain, inputs[:1])[0][0], expected[0][0])
+    weight = next(name for name in expected[0][2] if "linear_fc2" in name)
+    for other in (None, torch.float8_e4m3fn):
+        grads = run_steps(quantized(layer(False, **capacity), other), inputs[:1])[0][2]
+        assert not torch.equal(grads[weight], expected[0][2][weight]), (other, weight)
 
 
 def deep_ep_buffer_through_the_same_path(rank, world):

@@ -77,6 +77,9 @@ class HybridEPHandle(NamedTuple):
     recv_counts: Optional[
         torch.Tensor
     ]  # exact non-blocking only: [W] int64 rows received from each rank, on the device
+    # Made by a dispatch with use_fp8=True: a dispatch that reuses it must be one too, as in deep_ep,
+    # whose handle carries the kernel configuration (1-byte rows) of the dispatch that made it.
+    use_fp8: bool = False
 
 
 def _handle(
@@ -401,10 +404,19 @@ class TorchHybridEPBuffer:
                 hidden, routing_map, probs, topk_idx, topk_weights, num_of_experts, num_of_experts_per_rank
             )
             capacity = self._check_capacity(num_permuted_tokens, pad_multiple, non_blocking)
-            handle = self._plan(routing_map, capacity, pad_multiple, non_blocking, row_bytes)
+            handle = self._plan(routing_map, capacity, pad_multiple, non_blocking, row_bytes)._replace(
+                use_fp8=bool(use_fp8)
+            )
             map_bytes = self.routing_map_gather.stats.last_bytes_sent
         else:
             self._check_handle(handle, "handle")
+            _check(
+                bool(use_fp8) == handle.use_fp8,
+                "use_fp8",
+                f"{handle.use_fp8}, as in the dispatch that made this handle (deep_ep's handle keeps that "
+                "dispatch's row type: quantize the rows with use_fp8=True and scaling_factor, or make a new handle)",
+                use_fp8,
+            )
             _check(
                 hidden.shape[0] == handle.num_tokens,
                 "hidden",
