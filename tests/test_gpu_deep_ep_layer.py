@@ -119,19 +119,22 @@ def test_deep_ep_capacity_mode_equals_blocking(megatron, variant):
         assert not probe.waited, probe
 
 
-def test_deep_ep_fp8_dispatch_equals_the_torch_implementations(megatron, monkeypatch):
+@pytest.mark.parametrize(
+    "gradient_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["fp8-format-e4m3", "fp8-format-hybrid"]
+)
+def test_deep_ep_fp8_dispatch_equals_the_torch_implementations(megatron, monkeypatch, gradient_dtype):
     """--moe-hybridep-fp8-dispatch on deep_ep (its 1-byte kernels, the forward's tokens and the
-    backward's gradients in fp8 with their scales), blocking and in capacity mode without a host
-    read, against the torch implementation's fp8 dispatch: bit for bit, forward and backward; and
-    not what the bf16 dispatch gives."""
+    backward's gradients in fp8 with their scales: e4m3, or e5m2 as under --fp8-format hybrid),
+    blocking and in capacity mode without a host read, against the torch implementation's fp8
+    dispatch: bit for bit, forward and backward; and not what the bf16 dispatch gives."""
     from megatron_ext import options
     from megatron_ext.hybridep import fp8
     from megatron_ext.tooling.sync import forbid_host_sync
 
     # Refused without TE's blockwise recipe, whose fp8 experts these bf16 ones stand in for; the
-    # gradients go in e4m3, as under --fp8-format e4m3.
+    # gradients go in the format's gradient dtype.
     monkeypatch.setattr(options, "_check_fp8_dispatch", lambda config, opts: None)
-    monkeypatch.setattr(fp8, "gradient_dtype", lambda fmt: torch.float8_e4m3fn)
+    monkeypatch.setattr(fp8, "gradient_dtype", lambda fmt: gradient_dtype)
     in_fp8 = dict(moe_hybridep_fp8_dispatch=True)
     reference = _stack(dict(TORCH, **in_fp8))
     blocking = _stack(dict(DEEP_EP, **in_fp8))
