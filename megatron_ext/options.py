@@ -369,6 +369,14 @@ def _check_graphs(config: Any, options: HybridEPOptions) -> None:
             f"{where} with {CAPACITY_FACTOR_FLAG}: --cuda-graph-warmup-steps 0 would capture the first step, whose "
             "calibration dispatch is blocking (it reads the host); use --cuda-graph-warmup-steps 1 or more."
         )
+    timing = getattr(config, "timing_log_level", 0) or 0  # on a parsed namespace; no config field
+    if impl == "full_iteration" and timing >= 1:
+        raise HybridEPConfigError(
+            f"{where} with --timing-log-level {timing}: Megatron's timers of level 1 and up (forward-backward, "
+            "forward-compute, ...) synchronize the device inside the step that the graph captures, which CUDA "
+            "refuses at the first capture (cudaErrorStreamCaptureUnsupported; seen on an H200). Use "
+            "--timing-log-level 0 with full-iteration graphs, or time the eager capacity mode."
+        )
     if impl == "local" and not graph_modules(config) and _local_graph_inputs_released(config):
         raise HybridEPConfigError(
             f"{where} with --transformer-impl local: with Transformer Engine installed, megatron-core 0.19.2 "

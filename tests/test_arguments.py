@@ -900,6 +900,10 @@ CAPACITY_EQUAL = ["--moe-hybridep-capacity-factor", "1.5", "--moe-hybridep-equal
             ["--cuda-graph-warmup-steps 0 would capture the first step", "--cuda-graph-warmup-steps 1 or more"],
         ),
         (
+            ["--cuda-graph-impl", "full_iteration", "--timing-log-level", "1", *CAPACITY_EQUAL],
+            ["--cuda-graph-impl full_iteration with --timing-log-level 1", "--timing-log-level 0"],
+        ),
+        (
             ["--cuda-graph-impl", "transformer_engine", *CAPACITY_EQUAL],
             ["--cuda-graph-impl transformer_engine with", "--cuda-graph-impl local or full_iteration"],
         ),
@@ -915,6 +919,7 @@ CAPACITY_EQUAL = ["--moe-hybridep-capacity-factor", "1.5", "--moe-hybridep-equal
         "full-iteration-without-equal",
         "full-iteration-blocking",
         "no-warmup",
+        "full-iteration-timers",
         "te-whole-layer-rerun",
         "te-moe-rerun",
     ],
@@ -927,9 +932,10 @@ def test_patched_parse_args_refuses_graphs_that_cannot_hold_the_dispatch(patched
     "extra, modules",
     [
         (["--cuda-graph-impl", "full_iteration", *CAPACITY_EQUAL], set()),
+        (["--cuda-graph-impl", "full_iteration", "--timing-log-level", "0", *CAPACITY_EQUAL], set()),
         (
             ["--cuda-graph-impl", "local", "--cuda-graph-modules", "moe", *CAPACITY_EQUAL]
-            + ["--moe-hybridep-overflow-policy", "fail"],
+            + ["--moe-hybridep-overflow-policy", "fail", "--timing-log-level", "2"],  # timers outside the graphs
             {"moe"},
         ),
         (["--cuda-graph-impl", "local", "--cuda-graph-modules", "moe", *CAPACITY_EQUAL], {"moe"}),  # re-run policy
@@ -942,7 +948,8 @@ def test_patched_parse_args_refuses_graphs_that_cannot_hold_the_dispatch(patched
     ],
     ids=[
         "full-iteration",
-        "local-moe-fail-policy",
+        "full-iteration-no-timers",
+        "local-moe-fail-policy-timers",
         "local-moe-rerun-policy",
         "local-whole-layer-rerun-policy",
         "local-router-preprocess",

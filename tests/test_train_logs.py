@@ -31,7 +31,28 @@ def test_logs_are_compared_with_the_first_at_every_iteration():
     assert lines[3] == "| graphed | 14 | identical | 5.0 | 5.0 | 204,800 | 0.667 | 0.700 | 0 | 0 |", lines[3]
     late = train_logs.table({"resumed": _log([(i, 900.0 if i == 7 else 20.0, "1.0E+01", "4.0") for i in (7, 8)])})
     assert late.splitlines()[2].startswith("| resumed | 2 | reference | - | 900.0 |"), late  # its first logged
-    assert lines[4].startswith("| drifted | 14 | differs: iteration 12: lm loss 1.012E+01 against 9.9E+00 |"), lines[4]
+    # lm loss 10.12, 10.13 and 10.14 against 9.9 at iterations 12-14: gaps 0.22, 0.23 and 0.24, mean
+    # 0.69 / 14; over iterations 5-14 the reference's 10.5 ... 10.9, 10.10 ... 10.14 average 10.41,
+    # the drifted run's 0.69 / 10 less
+    said = (
+        "| drifted | 14 | differs: iteration 12: lm loss 1.012E+01 against 9.9E+00 (lm loss apart by 0.0493 on "
+        "average, 0.2400 at most; last 10 iterations' mean 10.3410 against 10.4100) |"
+    )
+    assert lines[4].startswith(said), lines[4]
+
+
+def test_the_loss_distance_is_measured_over_the_iterations_both_logged():
+    reference = train_logs.parse_log(_log([(i, 20.0, f"{10 - i}.0E+00", "4.0") for i in range(1, 6)]))
+    # iterations 3-7, losses 1.5 above the reference's at 3 and 5, equal at 4; 6 and 7 not in the reference
+    other = train_logs.parse_log(
+        _log([(i, 20.0, f"{10 - i + (1.5 if i in (3, 5) else 0)}E+00", "4.0") for i in range(3, 8)])
+    )
+    said = "lm loss apart by 1.0000 on average, 1.5000 at most; last 2 iterations' mean 6.2500 against 5.5000"
+    assert train_logs.loss_distance(reference, other, last=2) == said
+    assert train_logs.loss_distance(reference, reference).startswith(
+        "lm loss apart by 0.0000 on average, 0.0000 at most;"
+    )
+    assert train_logs.loss_distance(reference, {}) is None
 
 
 def test_a_log_that_stopped_early_differs():

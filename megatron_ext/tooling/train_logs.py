@@ -3,9 +3,11 @@
     python -m megatron_ext.tooling.train_logs blocking.log capacity.log graphed.log
 
 Prints a markdown table: per log, the iterations logged, whether the lm loss, load-balancing loss
-and grad norm equal the first log's at every iteration (as printed), else the first difference,
-the median time per iteration after the first 10 and the first iteration's time (the compile and
-calibration work a run pays once: `--moe-hybridep-warm-up` moves some of it before the loop),
+and grad norm equal the first log's at every iteration (as printed), else the first difference
+and how far the lm loss strayed (the mean and largest distance over the iterations both
+logged, and the means of the last 10 of them, the run's against the first log's), the median
+time per iteration after the first 10 and the first iteration's time (the compile and calibration
+work a run pays once: `--moe-hybridep-warm-up` moves some of it before the loop),
 tokens/s/GPU from Megatron's argument listing,
 the means of megatron-ext's capacity-use metrics (over ranks, and the largest rank's), and the
 steps re-run after an overflow and the capacity growths megatron-ext logged.
@@ -86,6 +88,23 @@ def first_difference(reference: dict, other: dict) -> str | None:
     return None
 
 
+def loss_distance(reference: dict, other: dict, last: int = 10) -> str | None:
+    """How far `other`'s lm loss is from `reference`'s over the iterations both logged: the mean and
+    the largest distance, and the means of the last `last` of those iterations (other's, then
+    reference's); None when they share no iteration with a loss."""
+    key = COMPARED[0]
+    common = [i for i in sorted(reference.keys() & other.keys()) if key in reference[i] and key in other[i]]
+    if not common:
+        return None
+    ours, theirs = ([float(log[i][key]) for i in common] for log in (other, reference))
+    gaps = [abs(a - b) for a, b in zip(ours, theirs)]
+    tail = min(last, len(common))
+    return (
+        f"{key} apart by {statistics.mean(gaps):.4f} on average, {max(gaps):.4f} at most; last {tail} iterations' "
+        f"mean {statistics.mean(ours[-tail:]):.4f} against {statistics.mean(theirs[-tail:]):.4f}"
+    )
+
+
 def table(logs: dict[str, str]) -> str:
     """The markdown table of `logs` ({name: log text}), each compared with the first."""
     parsed = {name: parse_log(text) for name, text in logs.items()}
@@ -105,6 +124,9 @@ def table(logs: dict[str, str]) -> str:
         uses = [[float(v[key]) for v in iterations.values() if key in v] for key in (CAPACITY_USE, CAPACITY_USE_MAX)]
         diff = first_difference(reference, iterations)
         same = "reference" if name == reference_name else ("identical" if diff is None else f"differs: {diff}")
+        distance = loss_distance(reference, iterations) if diff is not None else None
+        if distance and name != reference_name:
+            same += f" ({distance})"
         reruns, growths = reruns_and_growths(logs[name])
         lines.append(
             f"| {name} | {len(iterations)} | {same} | {'-' if ms is None else f'{ms:.1f}'} | {first} | {rate} "
