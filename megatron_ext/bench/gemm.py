@@ -15,14 +15,12 @@ own on that GEMM could be faster than its bf16 ones before any quantization is p
 
 from __future__ import annotations
 
-import argparse
-import json
-import statistics
 import sys
 
 import torch
 import torch.nn.functional as F
 
+from megatron_ext.bench.kernel_timing import parser, time_ms, write_json
 from megatron_ext.bench.sizes import SIZES, describe_size
 from megatron_ext.hybridep.fp8 import E4M3_MAX
 
@@ -43,21 +41,6 @@ def quantize_columns_per_group(x: torch.Tensor, groups: int) -> tuple[torch.Tens
     scale = (E4M3_MAX / amax.clamp(min=1e-12)).repeat_interleave(rows // groups, 0)
     q = (x.float() * scale).to(torch.float8_e4m3fn).t().contiguous()
     return q, (amax / E4M3_MAX).reshape(-1)
-
-
-def _time_ms(fn, iters: int, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -106,17 +89,14 @@ def measure(size: str, iters: int) -> dict:
         def fp8_call(qa=qa, qb=qb, sa=sa, sb=sb):
             return torch._scaled_grouped_mm(qa, qb, sa, sb, offs=offsets, out_dtype=torch.bfloat16)
 
-        result["gemm_ms"][name] = {"bf16": _time_ms(bf16_call, iters), "fp8": _time_ms(fp8_call, iters)}
+        result["gemm_ms"][name] = {"bf16": time_ms(bf16_call, iters), "fp8": time_ms(fp8_call, iters)}
         result["fp8_rel_error"][name] = _rel(fp8_call(), bf16_call())
     result["gemm_total_ms"] = {k: sum(v[k] for v in result["gemm_ms"].values()) for k in ("bf16", "fp8")}
     return result
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m megatron_ext.bench.gemm", description=__doc__.split("\n\n")[0])
-    p.add_argument("--size", action="append", choices=sorted(SIZES), help="a bench size (repeatable; default large)")
-    p.add_argument("--iters", type=int, default=20, help="timed calls per figure (the median is kept)")
-    p.add_argument("--json", help="write the results here")
+    p = parser("gemm", __doc__)
     args = p.parse_args(argv)
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
         p.error("needs a CUDA GPU of compute capability 9.0 or more (torch's fp8 grouped GEMM)")
@@ -131,11 +111,7 @@ def main(argv=None) -> int:
                 f"  {name:10s} bf16 {v['bf16']:7.3f} ms  fp8 {v['fp8']:7.3f} ms  ({v['fp8'] / v['bf16']:.2f}x)"
                 + (f"  fp8 error {error:.3f}" if error is not None else "")
             )
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(
-                {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "results": results}, f, indent=1
-            )
+    write_json(args.json, results)
     return 0
 
 

@@ -23,13 +23,11 @@ whose per-step total is in the bench's profile (`.ci/gpu-suite profile`).
 
 from __future__ import annotations
 
-import argparse
-import json
-import statistics
 import sys
 
 import torch
 
+from megatron_ext.bench.kernel_timing import parser, time_ms, write_json
 from megatron_ext.bench.sizes import SIZES, describe_size
 
 BOTH, COLUMNS, ROWS = "rows+columns", "columns", "rows"
@@ -65,21 +63,6 @@ def summarize(times: dict[str, dict[str, float]], carried: dict[str, bool], laye
     }
 
 
-def _time_ms(fn, iters: int, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
 def measure(size_name: str, iters: int) -> dict:
     import transformer_engine_torch as tex
     from transformer_engine.pytorch.tensor.float8_blockwise_tensor import Float8BlockQuantizer
@@ -96,7 +79,7 @@ def measure(size_name: str, iters: int) -> dict:
 
     def timed(rowwise: bool, columnwise: bool, x: torch.Tensor) -> float:
         q = quantizer(rowwise, columnwise)
-        return _time_ms(lambda: q(x), iters)
+        return time_ms(lambda: q(x), iters)
 
     times, carried = {}, {}
     for name, (width, dispatched) in tensors(size).items():
@@ -117,10 +100,7 @@ def measure(size_name: str, iters: int) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m megatron_ext.bench.quantize", description=__doc__.split("\n\n")[0])
-    p.add_argument("--size", action="append", choices=sorted(SIZES), help="a bench size (repeatable; default large)")
-    p.add_argument("--iters", type=int, default=20, help="timed calls per figure (the median is kept)")
-    p.add_argument("--json", help="write the results here")
+    p = parser("quantize", __doc__)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU and Transformer Engine (it times TE's fp8 quantization)")
@@ -141,11 +121,7 @@ def main(argv=None) -> int:
             f"{s['saved_ms']:.3f} ms saved per layer, {s['saved_per_step_ms']:.2f} of {s['now_per_step_ms']:.2f} "
             f"per step of {s['layers']} layers"
         )
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(
-                {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "results": results}, f, indent=1
-            )
+    write_json(args.json, results)
     return 0
 
 
