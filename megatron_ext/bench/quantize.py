@@ -46,13 +46,13 @@ def tensors(size: dict) -> dict[str, tuple[int, bool]]:
     }
 
 
-def summarize(times: dict[str, dict[str, float]], carried: dict[str, bool], layers: int) -> dict[str, float]:
+def summarize(times: dict[str, dict[str, float]], layers: int) -> dict[str, float]:
     """From per-tensor times ({tensor: {usage: ms}}, with `TOKENS` for those a dispatch carries):
     what TE pays per layer now (each tensor row- and column-wise in one pass), what it would pay
     with the carried tensors quantized row-wise before the dispatch (their tokens row-wise, their
     rows column-wise after it), the difference, and both over `layers` layers."""
     now = sum(t[BOTH] for t in times.values())
-    before = sum(t[TOKENS] + t[COLUMNS] if carried[name] else t[BOTH] for name, t in times.items())
+    before = sum(t[TOKENS] + t[COLUMNS] if TOKENS in t else t[BOTH] for t in times.values())
     return {
         "now_ms": now,
         "quantized_before_dispatch_ms": before,
@@ -81,13 +81,12 @@ def measure(size_name: str, iters: int) -> dict:
         q = quantizer(rowwise, columnwise)
         return time_ms(lambda: q(x), iters)
 
-    times, carried = {}, {}
+    times = {}
     for name, (width, dispatched) in tensors(size).items():
         x = torch.randn(rows, width, device="cuda").bfloat16()
         times[name] = {usage: timed(*flags, x) for usage, flags in USAGES.items()}
         if dispatched:
             times[name][TOKENS] = timed(True, False, x[:tokens].contiguous())
-        carried[name] = dispatched
         del x
     return {
         "size": size_name,
@@ -95,7 +94,7 @@ def measure(size_name: str, iters: int) -> dict:
         "rows": rows,
         "tokens": tokens,
         "quantize_ms": times,
-        "summary": summarize(times, carried, size["layers"]),
+        "summary": summarize(times, size["layers"]),
     }
 
 

@@ -123,10 +123,13 @@ def table(logs: dict[str, str]) -> str:
         rate = f"{shape[0] / (ms / 1e3) / shape[1]:,.0f}" if ms and shape else "-"
         uses = [[float(v[key]) for v in iterations.values() if key in v] for key in (CAPACITY_USE, CAPACITY_USE_MAX)]
         diff = first_difference(reference, iterations)
-        same = "reference" if name == reference_name else ("identical" if diff is None else f"differs: {diff}")
-        distance = loss_distance(reference, iterations) if diff is not None else None
-        if distance and name != reference_name:
-            same += f" ({distance})"
+        if name == reference_name:
+            same = "reference"
+        elif diff is None:
+            same = "identical"
+        else:
+            distance = loss_distance(reference, iterations)
+            same = f"differs: {diff}" + (f" ({distance})" if distance else "")
         reruns, growths = reruns_and_growths(logs[name])
         lines.append(
             f"| {name} | {len(iterations)} | {same} | {'-' if ms is None else f'{ms:.1f}'} | {first} | {rate} "
