@@ -181,11 +181,9 @@ def _discard_gradients(chunks: Iterable[torch.nn.Module]) -> None:
             chunk.zero_grad_buffer()
         for parameter in chunk.parameters():
             parameter.grad = None
-    try:
-        from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
-    except ImportError:  # pragma: no cover - a megatron-core without the tracker
-        return
-    clear_aux_losses_tracker()
+    from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+
+    get_moe_metrics_tracker().clear()  # what the overflowed step recorded (aux losses, capacity use)
 
 
 class DelayedScalingState:

@@ -225,7 +225,7 @@ def test_patched_inside_full_apply_reverts_nothing(originals, replacements):
     assert_patched(originals, replacements, ALL_TARGETS)
 
 
-@pytest.mark.parametrize("version", ["0.20.1", "0.18.3"])
+@pytest.mark.parametrize("version", ["0.21.0", "0.18.3"])
 def test_unsupported_version_patches_nothing(originals, monkeypatch, version):
     monkeypatch.setattr(compat, "megatron_core_version", lambda: version)
 
@@ -234,7 +234,7 @@ def test_unsupported_version_patches_nothing(originals, monkeypatch, version):
 
     message = str(err.value)
     assert f"found megatron-core {version}" in message
-    assert ">= 0.19, < 0.20" in message
+    assert ">=0.19,<0.21" in message
     assert patches.applied() == ()
     assert_stock(originals)
 
@@ -572,3 +572,89 @@ def test_every_megatron_symbol_imported_inside_a_function_is_a_runtime_symbol():
                         if symbol not in listed and not any(s.startswith(symbol + ".") for s in listed):
                             unlisted.append(f"{path.relative_to(package)}:{node.lineno} {symbol}")
     assert not unlisted, unlisted
+
+
+def test_every_signature_megatron_ext_relies_on_is_this_megatron_cores():
+    assert {feature for _, feature, _ in patches.SIGNATURES} <= set(patches.FEATURES)
+    # Each patch target whose replacement passes arguments on is checked; the pass-throughs are not.
+    assert {DISPATCHER, MOE_INIT, ADD_ARGUMENTS, FULL_GRAPH, MOE_REPORT, TRAIN} <= {s for s, _, _ in patches.SIGNATURES}
+    for symbol, _, takes in patches.SIGNATURES:
+        compat.check_signature(symbol, patches.resolve(symbol), takes)  # ChangedSignatureError where not
+
+
+def _resignatured(monkeypatch, target, function):
+    """Megatron's `target` (a method or function in its module) replaced by `function`, as a release
+    that changed its parameters would have it."""
+    owner_name, attribute = target.rsplit(".", 1)
+    monkeypatch.setattr(patches.resolve(owner_name), attribute, function)
+
+
+@pytest.mark.parametrize(
+    ("target", "changed"),
+    [
+        # track_names renamed: the report patch could no longer add the capacity metrics to it
+        (MOE_REPORT, lambda self, loss_scale, iteration, metric_names=None, **kwargs: ""),
+        # model no longer second: the warm-up would be handed the wrong argument
+        (TRAIN, lambda forward_step_func, config, model, *args, **kwargs: None),
+    ],
+    ids=["report", "train"],
+)
+def test_a_resignatured_patch_target_is_named_and_patches_nothing(originals, monkeypatch, target, changed):
+    _resignatured(monkeypatch, target, changed)
+    with pytest.raises(patches.ChangedSignatureError) as err:
+        patches.apply()
+    message = str(err.value)
+    assert f"`{target}`" in message and f"megatron-core {compat.megatron_core_version()}" in message
+    assert "supported: megatron-core >=0.19,<0.21" in message and "\n" not in message
+    assert patches.applied() == ()
+    monkeypatch.undo()
+    assert_stock(originals)
+    assert patches.apply(training=False)  # only the feature that calls it is refused
+    patches.revert()
+
+
+def test_a_resignatured_runtime_symbol_is_named_and_patches_nothing(originals, monkeypatch):
+    symbol = "megatron.core.transformer.moe.moe_utils.get_align_size_for_quantization"
+    _resignatured(monkeypatch, symbol, lambda recipe, config: 0)
+    with pytest.raises(patches.ChangedSignatureError, match=f"`{symbol}`"):
+        patches.apply()
+    assert patches.applied() == ()
+    monkeypatch.undo()
+    assert_stock(originals)
+
+
+# The signatures of MoEMetricsTracker.report in megatron-core 0.19 and in 0.20, which inserted
+# `num_moe_layers` after `num_layers`.
+def _report_019(self, loss_scale, iteration, writer=None, wandb_writer=None, per_layer_logging=False,
+                force_initialize=False, track_names=None, num_layers=None, moe_layer_freq=None,
+                mtp_num_layers=None, total_loss_dict=None, percentiles=None, pg_collection=None):  # fmt: skip
+    return {"track_names": track_names, "num_layers": num_layers, "moe_layer_freq": moe_layer_freq}
+
+
+def _report_020(self, loss_scale, iteration, writer=None, wandb_writer=None, per_layer_logging=False,
+                force_initialize=False, track_names=None, num_layers=None, num_moe_layers=None,
+                moe_layer_freq=None, mtp_num_layers=None, total_loss_dict=None, percentiles=None,
+                pg_collection=None):  # fmt: skip
+    return {"track_names": track_names, "num_layers": num_layers, "moe_layer_freq": moe_layer_freq}
+
+
+@pytest.mark.parametrize("original", [_report_019, _report_020], ids=["0.19", "0.20"])
+@pytest.mark.parametrize("by", ["keyword", "position"])
+def test_report_patch_adds_capacity_metrics_however_track_names_is_passed(monkeypatch, original, by):
+    import megatron_ext.recovery as recovery
+    from megatron_ext.dispatcher import CAPACITY_USE_MAX_METRIC, CAPACITY_USE_METRIC
+
+    monkeypatch.setattr(recovery, "_capacity_metrics", True)
+    report = patches._moe_metrics_report(original)
+    if by == "keyword":
+        got = report(None, 1.0, 3, track_names=["load_balancing_loss"], num_layers=4, moe_layer_freq=1)
+    else:
+        extra = (4, None, 1) if original is _report_020 else (4, 1)  # num_layers[, num_moe_layers], moe_layer_freq
+        got = report(None, 1.0, 3, None, None, False, True, ["load_balancing_loss"], *extra)
+    assert got == {
+        "track_names": ["load_balancing_loss", CAPACITY_USE_METRIC, CAPACITY_USE_MAX_METRIC],
+        "num_layers": 4,
+        "moe_layer_freq": 1,
+    }
+    monkeypatch.setattr(recovery, "_capacity_metrics", False)
+    assert report(None, 1.0, 3, track_names="z_loss")["track_names"] == "z_loss"  # off: passed as given

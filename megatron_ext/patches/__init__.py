@@ -10,8 +10,9 @@ it does not import Megatron-Core; `apply()` does.
     megatron_ext.patches.revert()       # or: with megatron_ext.patches.patched(): ...
 
 `apply()` checks the megatron-core version, resolves every target and every symbol megatron-ext
-looks up at run time (`RUNTIME_SYMBOLS`) before changing any (so a moved symbol patches nothing),
-replaces each attribute below, and logs it by its dotted name.
+looks up at run time (`RUNTIME_SYMBOLS`), and checks the parameters of every callable it calls or
+wraps (`SIGNATURES`), before changing any (so a moved or re-signatured symbol patches nothing and is
+named), replaces each attribute below, and logs it by its dotted name.
 Applying twice is harmless; `revert()` puts every original back.
 
 Patched attributes, by feature:
@@ -40,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -48,11 +50,15 @@ from typing import Any
 from megatron_ext.logs import once_per_job
 from megatron_ext.patches._compat import (
     SUPPORTED_MEGATRON_CORE,
+    ChangedSignatureError,
     MovedSymbolError,
+    Takes,
     UnsupportedMegatronError,
     check_megatron_version,
+    check_signature,
     megatron_core_version,
     resolve,
+    supported_range,
 )
 
 logger = logging.getLogger(__name__)
@@ -120,16 +126,24 @@ def _full_cuda_graph_wrapper(original: type) -> type:
 
 
 def _moe_metrics_report(original: Callable) -> Callable:
+    # Bound to the original's own signature, so a call by position or by name finds `track_names`
+    # whatever parameters a release adds around it (0.20 put `num_moe_layers` after `num_layers`).
+    signature = inspect.signature(original)
+
     @functools.wraps(original)
-    def report(self, *args, track_names=None, **kwargs):
+    def report(*args, **kwargs):
         from megatron_ext.recovery import capacity_metrics_on
 
+        bound = signature.bind(*args, **kwargs)
+        track_names = bound.arguments.get("track_names")
         if capacity_metrics_on() and track_names is not None:
             from megatron_ext.dispatcher import CAPACITY_USE_MAX_METRIC, CAPACITY_USE_METRIC
 
             names = [track_names] if isinstance(track_names, str) else list(track_names)
-            track_names = names + [m for m in (CAPACITY_USE_METRIC, CAPACITY_USE_MAX_METRIC) if m not in names]
-        return original(self, *args, track_names=track_names, **kwargs)
+            bound.arguments["track_names"] = names + [
+                m for m in (CAPACITY_USE_METRIC, CAPACITY_USE_MAX_METRIC) if m not in names
+            ]
+        return original(*bound.args, **bound.kwargs)
 
     return report
 
@@ -196,11 +210,56 @@ RUNTIME_SYMBOLS: tuple[tuple[str, str], ...] = (
     ("megatron.core.transformer.torch_norm.WrappedTorchNorm", "arguments"),
     ("megatron.core.transformer.cuda_graphs.HAVE_TE_GRAPHS", "arguments"),
     ("megatron.core.utils.get_model_config", "training"),
-    ("megatron.core.transformer.moe.moe_utils.clear_aux_losses_tracker", "training"),
+    ("megatron.core.transformer.moe.moe_logging.get_moe_metrics_tracker", "training"),
     ("megatron.core.transformer.cuda_graphs.delete_cuda_graphs", "training"),
     ("megatron.core.transformer.cuda_graphs.CudaGraphManager", "training"),
     ("megatron.core.full_cuda_graph._shared_graph_pool", "training"),
     ("megatron.training.global_vars.get_args", "training"),
+)
+
+# What megatron-ext passes to the Megatron-Core callables it calls or wraps, by the feature that
+# calls them: `apply()` checks each against the installed release's signature before changing
+# anything, so a release that renamed, reordered or dropped a parameter is refused in one line naming
+# the callable, never a wrong call in a step. A class is checked by its `__init__`.
+_MOE = "megatron.core.transformer.moe"
+SIGNATURES: tuple[tuple[str, str, Takes], ...] = (
+    # Patch targets: how Megatron calls what replaces them, and how the replacement calls the original.
+    (
+        f"{_MOE}.moe_layer.MoEFlexTokenDispatcher",
+        "dispatcher",
+        Takes(("num_local_experts", "local_expert_indices"), ("config", "pg_collection")),
+    ),
+    (f"{_MOE}.moe_layer.MoELayer.__init__", "experts", Takes(("config", "submodules"))),
+    ("megatron.training.arguments.add_megatron_arguments", "arguments", Takes(("parser",))),
+    ("megatron.training.training.FullCudaGraphWrapper", "training", Takes(("forward_backward_func",))),
+    (f"{_MOE}.moe_logging.MoEMetricsTracker.report", "training", Takes(keyword=("track_names",))),
+    ("megatron.training.training.train", "training", Takes(("forward_step_func", "model"))),
+    # Called while a model builds or trains.
+    (f"{_MOE}.token_dispatcher.MoETokenDispatcher", "dispatcher", Takes(keyword=("config", "pg_collection"))),
+    (f"{_MOE}.moe_utils.get_align_size_for_quantization", "dispatcher", Takes(("config",))),
+    (
+        f"{_MOE}.moe_logging.MoEMetricsTracker.record",
+        "dispatcher",
+        Takes(("name", "value", "layer_number", "num_layers")),
+    ),
+    ("megatron.core.fp8_utils.get_fp8_recipe", "experts", Takes(("config",))),
+    ("megatron.core.transformer.module.MegatronModule", "experts", Takes(keyword=("config",))),
+    (
+        "megatron.core.transformer.utils.make_sharded_object_for_checkpoint",
+        "experts",
+        Takes(("obj", "key", "sharded_offsets"), ("replica_id",)),
+    ),
+    (
+        "megatron.core.dist_checkpointing.mapping.ShardedTensor.from_rank_offsets",
+        "experts",
+        Takes(("key", "data"), ("replica_id", "prepend_axis_num")),
+    ),
+    ("megatron.core.utils.get_pg_size", "experts", Takes(("group",))),
+    ("megatron.core.utils.get_pg_rank", "experts", Takes(("group",))),
+    ("megatron.training.argument_utils.ArgumentGroupFactory", "arguments", Takes(("src_cfg_class",), ("exclude",))),
+    ("megatron.training.argument_utils.ArgumentGroupFactory.build_group", "arguments", Takes(("parser", "title"))),
+    ("megatron.core.utils.get_model_config", "training", Takes(("model",))),
+    (f"{_MOE}.moe_logging.MoEMetricsTracker.clear", "training", Takes()),
 )
 
 # target -> (owner, attribute, original), for what is applied now
@@ -218,15 +277,19 @@ def apply(*, dispatcher: bool = True, experts: bool = True, arguments: bool = Tr
     `training=False` leaves Megatron's training loop alone (and does not import it): for code that
     runs MoE layers without `megatron.training.training.train`, as the bench and the tests do.
 
-    Raises `UnsupportedMegatronError` for a megatron-core outside the supported range and
-    `MovedSymbolError` naming a target that is not where it should be; in both cases nothing
-    is patched.
+    Raises `UnsupportedMegatronError` for a megatron-core outside the supported range,
+    `MovedSymbolError` naming a target that is not where it should be and `ChangedSignatureError`
+    (a `MovedSymbolError`) naming a callable whose parameters changed; in every case nothing is
+    patched.
     """
     check_megatron_version()
     wanted = {"dispatcher": dispatcher, "experts": experts, "arguments": arguments, "training": training}
     for symbol, feature in RUNTIME_SYMBOLS:
         if wanted[feature]:
             resolve(symbol)  # MovedSymbolError naming it and the version
+    for symbol, feature, takes in SIGNATURES:
+        if wanted[feature]:
+            check_signature(symbol, resolve(symbol), takes)  # ChangedSignatureError naming it
     todo = [p for p in PATCHES if wanted[p.feature] and p.target not in _applied]
     owners = []
     for patch in todo:
@@ -238,8 +301,7 @@ def apply(*, dispatcher: bool = True, experts: bool = True, arguments: bool = Tr
         if owner is None or attribute not in vars(owner):
             raise MovedSymbolError(
                 f"megatron-ext needs `{patch.target}`, which megatron-core {megatron_core_version()} does not "
-                f"define there (supported: >= {'.'.join(map(str, SUPPORTED_MEGATRON_CORE[0]))}, "
-                f"< {'.'.join(map(str, SUPPORTED_MEGATRON_CORE[1]))})."
+                f"define there (supported: megatron-core {supported_range()})."
             )
         owners.append((owner, attribute))
     # Every replacement is made (importing megatron-ext's modules) before the first is set: one
@@ -289,8 +351,11 @@ __all__ = [
     "FEATURES",
     "PATCHES",
     "RUNTIME_SYMBOLS",
+    "SIGNATURES",
     "SUPPORTED_MEGATRON_CORE",
+    "ChangedSignatureError",
     "MovedSymbolError",
+    "Takes",
     "UnsupportedMegatronError",
     "applied",
     "apply",
@@ -299,4 +364,5 @@ __all__ = [
     "patched",
     "resolve",
     "revert",
+    "supported_range",
 ]

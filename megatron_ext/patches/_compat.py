@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import inspect
+from dataclasses import dataclass
 from typing import Any, Optional
 
-# Releases whose symbols megatron-ext was written and tested against.
-SUPPORTED_MEGATRON_CORE = ((0, 19), (0, 20))  # [0.19, 0.20)
+# Releases whose symbols megatron-ext was written and tested against: 0.19.x and the 0.20 line.
+SUPPORTED_MEGATRON_CORE = ((0, 19), (0, 21))  # [0.19, 0.21)
 
 
 class UnsupportedMegatronError(RuntimeError):
@@ -16,6 +18,16 @@ class UnsupportedMegatronError(RuntimeError):
 
 class MovedSymbolError(RuntimeError):
     """A Megatron-Core symbol megatron-ext needs is not where the supported release keeps it."""
+
+
+class ChangedSignatureError(MovedSymbolError):
+    """A Megatron-Core callable megatron-ext calls or wraps no longer takes the parameters it passes."""
+
+
+def supported_range() -> str:
+    """The supported megatron-core releases, as a requirement: `>=0.19,<0.21`."""
+    (low_major, low_minor), (high_major, high_minor) = SUPPORTED_MEGATRON_CORE
+    return f">={low_major}.{low_minor},<{high_major}.{high_minor}"
 
 
 def megatron_core_version() -> str:
@@ -42,8 +54,8 @@ def check_megatron_version(version: Optional[str] = None) -> str:
     low, high = SUPPORTED_MEGATRON_CORE
     if not low <= _release(version) < high:
         raise UnsupportedMegatronError(
-            f"megatron-ext supports megatron-core >= {low[0]}.{low[1]}, < {high[0]}.{high[1]}; found "
-            f"megatron-core {version}. Install a supported release (pip install 'megatron-core>=0.19,<0.20') "
+            f"megatron-ext supports megatron-core {supported_range()}; found megatron-core {version}. "
+            f"Install a supported release (pip install 'megatron-core{supported_range()}') "
             "or a megatron-ext release made for yours."
         )
     return version
@@ -65,6 +77,45 @@ def resolve(dotted: str) -> Any:
             break
     raise MovedSymbolError(
         f"megatron-ext needs `{dotted}`, which megatron-core {megatron_core_version()} does not have "
-        f"(supported: >= {SUPPORTED_MEGATRON_CORE[0][0]}.{SUPPORTED_MEGATRON_CORE[0][1]}, "
-        f"< {SUPPORTED_MEGATRON_CORE[1][0]}.{SUPPORTED_MEGATRON_CORE[1][1]})."
+        f"(supported: megatron-core {supported_range()})."
     )
+
+
+@dataclass(frozen=True)
+class Takes:
+    """What megatron-ext passes to a Megatron-Core callable it calls or wraps: the parameters it
+    passes by position (the callable's first ones, in this order; `self` and `cls` not counted) and
+    those it passes or reads by name (each must be a named parameter, not swallowed by `**kwargs`).
+    A class is checked by its `__init__`."""
+
+    positional: tuple[str, ...] = ()
+    keyword: tuple[str, ...] = ()
+
+
+def _parameters(obj: Any) -> Optional[list[inspect.Parameter]]:
+    try:
+        signature = inspect.signature(obj.__init__ if isinstance(obj, type) else obj)
+    except (TypeError, ValueError):  # a builtin without a signature: nothing to check against
+        return None
+    parameters = list(signature.parameters.values())
+    if parameters and parameters[0].name in ("self", "cls"):
+        parameters = parameters[1:]
+    return parameters
+
+
+def check_signature(dotted: str, obj: Any, takes: Takes) -> None:
+    """Raise `ChangedSignatureError` naming `dotted` unless `obj` takes what `takes` says."""
+    parameters = _parameters(obj)
+    if parameters is None:
+        return
+    positional = [p.name for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    named = {p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    wrong_order = tuple(positional[: len(takes.positional)]) != takes.positional
+    missing = [name for name in takes.keyword if name not in named]
+    if wrong_order or missing:
+        found = ", ".join(str(p) for p in parameters)
+        wanted = ", ".join([*takes.positional, *(f"{name}=" for name in takes.keyword)])
+        raise ChangedSignatureError(
+            f"megatron-ext calls `{dotted}` as ({wanted}), which megatron-core {megatron_core_version()} does not "
+            f"take: its parameters are ({found}) (supported: megatron-core {supported_range()})."
+        )
