@@ -154,6 +154,17 @@ def megatron_graph_warmup() -> bool:
     return cuda_graphs.is_graph_warmup() or cuda_graphs.is_graph_capturing()
 
 
+def expert_pad_multiple(config: Any) -> Optional[int]:
+    """The multiple each local expert's rows are padded to, as Megatron's own HybridEP manager pads
+    them, or None. megatron-core 0.19 pads in fp8 and fp4 only; the 0.20 line pads whenever its
+    experts ask for an alignment (also TE's op fuser and grouped tensors in bf16: 256 rows). The
+    0.20 rule comes with its `moe_use_grouped_tensor` option, which tells the two apart."""
+    align = get_align_size_for_quantization(config)
+    if hasattr(config, "moe_use_grouped_tensor"):
+        return align or None
+    return align if (config.fp8 or config.fp4) else None
+
+
 # The names of megatron-ext's per-layer metrics in Megatron's MoE logging (console, TensorBoard,
 # W&B): rows / capacity of each forward dispatch, averaged over micro-batches and ranks; and the
 # largest rows / capacity a step reached on any rank, which shows the rank nearest an overflow.
@@ -210,7 +221,7 @@ class HybridEPCapacityManager:
         self.deep_ep_tuning = DeepEPTuning.from_config(config)
         self._default_name = f"MoE layer #{next(_layer_counter)}"
         self._layer: Optional[weakref.ref] = None  # the MoELayer, bound by the MoELayer patch
-        self.pad_multiple = get_align_size_for_quantization(config) if (config.fp8 or config.fp4) else None
+        self.pad_multiple = expert_pad_multiple(config)
         # --moe-hybridep-fp8-dispatch: the combine's backward dispatches the gradients in fp8 too, in
         # the format TE's recipe quantizes them in (the forward's tokens go in e4m3).
         self.grad_fp8 = fp8.gradient_dtype(config.fp8) if options.fp8_dispatch else None

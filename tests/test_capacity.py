@@ -68,3 +68,37 @@ def test_token_alignment_is_megatrons():
     from megatron_ext.dispatcher import TOKEN_ALIGNMENT
 
     assert TOKEN_ALIGNMENT == HYBRIDEP_TOKEN_ALIGNMENT
+
+
+def _quantization_config(**fields):
+    from types import SimpleNamespace
+
+    defaults = dict(use_transformer_engine_op_fuser=False, fp8=None, fp8_recipe="delayed", fp4=None, fp4_recipe=None)
+    return SimpleNamespace(**{**defaults, **fields})
+
+
+@pytest.mark.parametrize(
+    ("fields", "megatron_019", "megatron_020"),
+    [
+        (dict(), None, None),  # bf16, no alignment asked
+        (dict(use_transformer_engine_op_fuser=True), None, 256),  # 0.19 pads in fp8/fp4 only
+        (dict(use_transformer_engine_op_fuser=True, fp8="e4m3"), 256, 256),
+    ],
+    ids=["bf16", "op-fuser-bf16", "op-fuser-fp8"],
+)
+def test_experts_rows_are_padded_as_megatrons_own_hybridep_manager_pads_them(fields, megatron_019, megatron_020):
+    from megatron_ext.dispatcher import expert_pad_multiple
+
+    # A config of the 0.19 line has no moe_use_grouped_tensor; one of the 0.20 line has it.
+    assert expert_pad_multiple(_quantization_config(**fields)) == megatron_019
+    assert expert_pad_multiple(_quantization_config(moe_use_grouped_tensor=False, **fields)) == megatron_020
+
+
+def test_grouped_tensor_experts_get_rows_padded_to_256_where_megatron_has_them():
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_ext.dispatcher import expert_pad_multiple
+
+    if "moe_use_grouped_tensor" not in TransformerConfig.__dataclass_fields__:
+        pytest.skip("this megatron-core has no --moe-use-grouped-tensor (added in the 0.20 line)")
+    assert expert_pad_multiple(_quantization_config(moe_use_grouped_tensor=True)) == 256
