@@ -658,3 +658,34 @@ def test_report_patch_adds_capacity_metrics_however_track_names_is_passed(monkey
     }
     monkeypatch.setattr(recovery, "_capacity_metrics", False)
     assert report(None, 1.0, 3, track_names="z_loss")["track_names"] == "z_loss"  # off: passed as given
+
+
+def test_megatrons_budget_methods_find_no_budget_on_a_megatron_ext_layer(gloo_group):
+    """Megatron's paged-stash runner (--moe-expert-rank-capacity-factor) calls these on every flex
+    dispatcher of the model; on a layer megatron-ext drives they report nothing and change nothing
+    (megatron-core 0.20 added the last three)."""
+    from megatron_ext.dispatcher import HybridEPCapacityManager, HybridEPTokenDispatcher
+    from megatron_ext.options import validate
+    from tests.megatron_env import FLEX, make_config
+
+    config = make_config(1, **FLEX, moe_hybridep_capacity_factor=1.5)
+    manager = HybridEPCapacityManager(
+        group=gloo_group,
+        num_local_experts=8,
+        num_experts=8,
+        config=config,
+        options=validate(config),
+        implementation="torch",
+    )
+    manager.capacity = 64
+    dispatcher = object.__new__(HybridEPTokenDispatcher)  # only its manager is asked
+    dispatcher._comm_manager = manager
+    before = dict(vars(manager))
+
+    assert dispatcher.check_over_budget() is None
+    if hasattr(dispatcher, "check_required_capacity"):
+        assert dispatcher.check_required_capacity() is None
+    for name, args in [("grow_ep_recv_capacity", (4096,)), ("invalidate_ep_bootstrap", ()), ("reset_over_budget", ())]:
+        if hasattr(dispatcher, name):
+            getattr(dispatcher, name)(*args)
+    assert vars(manager) == before and manager.capacity == 64
