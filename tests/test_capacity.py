@@ -86,9 +86,19 @@ def _quantization_config(**fields):
     ],
     ids=["bf16", "op-fuser-bf16", "op-fuser-fp8"],
 )
-def test_experts_rows_are_padded_as_megatrons_own_hybridep_manager_pads_them(fields, megatron_019, megatron_020):
+def test_experts_rows_are_padded_as_megatrons_own_hybridep_manager_pads_them(
+    monkeypatch, fields, megatron_019, megatron_020
+):
+    import megatron_ext.dispatcher as dispatcher
     from megatron_ext.dispatcher import expert_pad_multiple
 
+    # The alignment Megatron's experts ask for, as both lines compute it for these configs (the
+    # installed release's own reads fields the other line's config lacks).
+    monkeypatch.setattr(
+        dispatcher,
+        "get_align_size_for_quantization",
+        lambda config: 256 if config.use_transformer_engine_op_fuser else (16 if config.fp8 else 0),
+    )
     # A config of the 0.19 line has no moe_use_grouped_tensor; one of the 0.20 line has it.
     assert expert_pad_multiple(_quantization_config(**fields)) == megatron_019
     assert expert_pad_multiple(_quantization_config(moe_use_grouped_tensor=False, **fields)) == megatron_020
