@@ -97,7 +97,11 @@ def load(path: Path) -> list[dict[str, Any]]:
 
 def summarize(events: list[dict[str, Any]]) -> dict[str, Any]:
     """Per-iteration figures of a trace's events (see the module's docstring)."""
-    steps = [e for e in events if e.get("ph") == "X" and STEP.match(str(e.get("name", "")))]
+    steps = [
+        e
+        for e in events
+        if e.get("ph") == "X" and e.get("cat") == "user_annotation" and STEP.match(str(e.get("name", "")))
+    ]
     if not steps:
         raise ValueError("no ProfilerStep# annotation in the trace: not a trace of profiled iterations")
     iterations = len(steps)

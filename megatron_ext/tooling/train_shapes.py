@@ -39,9 +39,7 @@ def run_names(directory: Path, shape: str) -> list[str]:
 def median_ms(iterations: dict[int, dict[str, str]], first: int, stop: Optional[int]) -> Optional[float]:
     """The median logged ms per iteration over iterations first < i < stop (stop None: to the end)."""
     times = [
-        float(f[STEP_MS])
-        for i, f in iterations.items()
-        if i > first and (stop is None or i < stop) and STEP_MS in f
+        float(f[STEP_MS]) for i, f in iterations.items() if i > first and (stop is None or i < stop) and STEP_MS in f
     ]
     return statistics.median(times) if times else None
 
@@ -116,7 +114,9 @@ def report(directory: Path, shape: str, profile_start: Optional[int]) -> tuple[s
             lines.append(f"| {c} | " + " | ".join(cells) + " |")
         lines.append(
             "| host: launches / syncs / blocked ms | "
-            + " | ".join(f"{p['launches']:.0f} / {p['host_waits']:.0f} / {p['host_wait_ms']:.1f}" for p in profiled.values())
+            + " | ".join(
+                f"{p['launches']:.0f} / {p['host_waits']:.0f} / {p['host_wait_ms']:.1f}" for p in profiled.values()
+            )
             + " |"
         )
     record = {
