@@ -145,6 +145,43 @@ def test_host_syncs_and_all_reduces_per_step(full_run):
     assert syncs["megatron"] > 0
 
 
+def test_the_modes_declared_host_free_are_those_whose_step_reads_nothing(full_run):
+    """The mode table's `host_free` (what the GPU tests expect of each mode) against the syncs
+    counted in every mode that ran here."""
+    from megatron_ext.bench.modes import all_modes
+
+    _, report, _ = full_run
+    declared = {m.name: m.host_free for m in all_modes(1.5)}
+    ran = [m for m in report["modes"] if m["status"] == "ok"]
+    assert set(OUR_MODES) <= {m["name"] for m in ran}
+    for mode in ran:
+        assert (mode["host_syncs_per_step"] == 0) is declared[mode["name"]], (mode["name"], mode["sync_examples"])
+
+
+@pytest.mark.parametrize("recipe", [None, "delayed", "tensorwise", "blockwise"])
+def test_host_free_follows_each_modes_options(recipe):
+    """Host-free: capacity mode with equal counts declared, no pad, no re-run policy (it reads one
+    flag at the step's end), and experts that take device counts or host-constant budgets
+    (TEGroupedMLP alone reads its counts on the host). A graph replays a host-free step."""
+    from megatron_ext.bench.modes import all_modes
+
+    modes = all_modes(1.5, recipe)
+    for mode in modes:
+        options = mode.overrides
+        expected = (
+            options.get("moe_hybridep_capacity_factor") is not None
+            and options.get("moe_hybridep_equal_token_counts", False)
+            and not options.get("moe_hybridep_pad_uneven_dispatch_inputs", False)
+            and not mode.overflow_rerun
+            and (mode.experts != "te" or options.get("moe_hybridep_static_expert_splits", False))
+        )
+        assert mode.host_free is expected, mode.name
+        assert mode.host_free or not mode.graph, mode.name
+    capacity_equal = [m.name for m in modes if m.name.startswith(("capacity+equal", "deep_ep+capacity+equal"))]
+    reading = [n for n in capacity_equal if not {m.name: m for m in modes}[n].host_free]
+    assert reading == ["capacity+equal+rerun", "deep_ep+capacity+equal+reuse+rerun"]
+
+
 def test_capacity_modes_dispatch_non_blocking_after_calibration(full_run):
     _, report, _ = full_run
     for name in (n for n in OUR_MODES[1:] if n != "blocking+compact"):

@@ -32,6 +32,12 @@ class Mode:
     reference: the mode whose results this one's are checked against (`blocking`, or the fp8
     modes' own blocking twin: fp8 and bf16 results differ by more than any summation order).
     fp8_recipe: Megatron's `--fp8-recipe` of an fp8 mode (None: the stack's dtype throughout).
+    host_free: after its first step (capacity mode's calibration), a step reads nothing on the host:
+    no host sync, so the host runs ahead of a busy GPU. Capacity mode with equal token counts
+    declared, without the overflow re-run policy's end-of-step read, and with experts that take
+    their counts on the device or as host constants (not TEGroupedMLP without static splits).
+    What the tests expect of each mode (syncs forbidden or counted, the run-ahead verdict) comes
+    from here.
     graph: after two eager steps (capacity mode's blocking calibration, then the non-blocking path,
     which compiles its kernels), the bench captures one whole forward+backward step in a CUDA graph
     and replays it for every step it checks, counts and times (`megatron_ext.bench.graphed`): what
@@ -49,6 +55,7 @@ class Mode:
     graph: bool = False
     reference: str = "blocking"
     fp8_recipe: str | None = None
+    host_free: bool = False
 
     @property
     def needs_te(self) -> bool:
@@ -98,7 +105,7 @@ def fp8_modes(capacity_factor: float, recipe: str) -> tuple[Mode, ...]:
     torch_impl = dict(FLEX, moe_hybridep_implementation="torch", use_transformer_engine_op_fuser=True, **fp8)
     capacity_flags = (*flex, f"--moe-hybridep-capacity-factor {capacity_factor}", "--moe-hybridep-equal-token-counts")
     capacity = dict(moe_hybridep_capacity_factor=capacity_factor, moe_hybridep_equal_token_counts=True)
-    checked = dict(equality="close", reference=FP8_REFERENCE, fp8_recipe=recipe)
+    checked = dict(equality="close", reference=FP8_REFERENCE, fp8_recipe=recipe, host_free=True)
     # The reference runs the experts of the capacity modes checked against it: TE's op-fuser ones,
     # or for a recipe they cannot take in capacity mode, TEGroupedMLP, which static splits feed
     # (like against like: TE's op fuser quantizes such a recipe its own way).
@@ -189,18 +196,21 @@ def all_modes(capacity_factor: float, fp8_recipe: str | None = None) -> tuple[Mo
             "capacity mode, equal token counts declared (no all-reduce)",
             (*flex_flags, factor_flag, "--moe-hybridep-equal-token-counts"),
             dict(torch_impl, **factor, **equal),
+            host_free=True,
         ),
         Mode(
             "capacity+equal+check",
             "as capacity+equal, the declaration checked on the device (one small all-reduce)",
             (*flex_flags, factor_flag, "--moe-hybridep-equal-token-counts", "--moe-hybridep-verify-equal-token-counts"),
             dict(torch_impl, **factor, **equal, moe_hybridep_verify_equal_token_counts=True),
+            host_free=True,
         ),
         Mode(
             "capacity+equal+reuse",
             "as capacity+equal, routing maps gathered into a reused buffer",
             (*flex_flags, factor_flag, "--moe-hybridep-equal-token-counts", "--moe-hybridep-reuse-allgather-buffer"),
             dict(torch_impl, **factor, **equal, moe_hybridep_reuse_allgather_buffer=True),
+            host_free=True,
         ),
         Mode(
             "capacity+equal+rerun",
@@ -232,6 +242,7 @@ def all_modes(capacity_factor: float, fp8_recipe: str | None = None) -> tuple[Mo
                 moe_hybridep_reuse_allgather_buffer=True,
                 moe_hybridep_compact_routing=True,
             ),
+            host_free=True,
         ),
         Mode(
             "deep_ep",
@@ -256,6 +267,7 @@ def all_modes(capacity_factor: float, fp8_recipe: str | None = None) -> tuple[Mo
             ),
             equality="close",
             needs_deep_ep=True,
+            host_free=True,
         ),
         Mode(
             "deep_ep+capacity+equal+reuse+rerun",
@@ -305,6 +317,7 @@ def all_modes(capacity_factor: float, fp8_recipe: str | None = None) -> tuple[Mo
             dict(torch_impl, **factor, **equal, use_transformer_engine_op_fuser=True),
             equality="close",
             experts="te-op-fuser",
+            host_free=True,
         ),
         Mode(
             "capacity+equal+static+te",
@@ -314,6 +327,7 @@ def all_modes(capacity_factor: float, fp8_recipe: str | None = None) -> tuple[Mo
             dict(torch_impl, **factor, **equal, moe_hybridep_static_expert_splits=True),
             equality="close",
             experts="te",
+            host_free=True,
         ),
     )
     if fp8_recipe is not None:
