@@ -123,6 +123,22 @@ def test_every_mode_runs_and_equals_blocking(full_run):
     assert "OK: outputs and gradients equal blocking's" in stdout
 
 
+def test_the_printed_table_has_a_row_per_mode_that_ran_and_a_line_per_reason_for_the_rest(full_run):
+    stdout, report, _ = full_run
+    lines = stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("mode "))
+    end = next(i for i in range(start, len(lines)) if not lines[i].strip() or lines[i].startswith("skipped: "))
+    rows = _parse_table("\n".join(lines[start:end]))
+    skipped = [m["name"] for m in report["modes"] if m["status"] == "skipped"]
+    assert skipped and set(GRAPH_MODES) <= set(skipped)  # CPU ranks: the JSON keeps every mode
+    assert list(rows) == [m["name"] for m in report["modes"] if m["status"] != "skipped"]
+    assert not any("skipped" in row.values() for row in rows.values())
+    reasons = " ".join(" ".join(lines[end:]).split()).split("skipped: ")[1:]  # lines wrap: whitespace collapsed
+    assert len(reasons) == len({m["detail"] for m in report["modes"] if m["status"] == "skipped"})
+    named = [name for line in reasons for name in line.split(" (", 1)[0].split(", ")]
+    assert sorted(named) == sorted(skipped)  # each skipped mode named once, beside its reason
+
+
 def test_the_printed_report_fits_120_columns(full_run):
     stdout, _, _ = full_run
     widest = max(stdout.splitlines(), key=len)
@@ -1028,6 +1044,9 @@ def test_the_default_table_fits_120_columns_and_wide_has_every_column(cuda, roun
     assert len(widest) <= 120, widest
     shown, everything = _parse_table(default), _parse_table(wide)
     assert LONGEST in shown and shown["capacity+equal+check"]["vs blocking"] == "differs 5e-01"  # names whole
+    ran = [r["name"] for r in rows if r["status"] != "skipped"]
+    assert list(shown) == ran and list(everything) == ran  # TE's modes, skipped on CPU: no row
+    assert ("megatron+te" in shown) is cuda
     assert shown["megatron"]["vs blocking"] == "close 1e-02"
     headers, wide_headers = list(shown["blocking"]), list(everything["blocking"])
     assert headers[:3] == ["mode", "vs blocking", "step ms"] and "syncs" in headers
