@@ -802,49 +802,24 @@ def test_rounds_and_ranks_keep_the_worst_error_and_where_it_is():
     from megatron_ext.bench.modes import select
     from megatron_ext.bench.run import ModeResult
 
-    first = ModeResult(
-        "m",
-        max_rel_error=0.02,
-        worst_error_at="step 1, output",
-        step_rel_errors=[0.02, 0.01],
-        tensor_rel_errors={"output": 0.02, "input gradient": 0.01},
-    )
-    first.merge(
-        ModeResult(
-            "m",
-            max_rel_error=0.05,
-            worst_error_at="step 2, input gradient",
-            step_rel_errors=[0.0, 0.05],
-            tensor_rel_errors={"input gradient": 0.05},
-        )
-    )
+    def errors(largest, at, steps=(), tensors=None):
+        return ModeResult("m", max_rel_error=largest, worst_error_at=at, step_rel_errors=list(steps),
+                          tensor_rel_errors=tensors or {})  # fmt: skip
+
+    def worst(result):
+        return (result["max_rel_error"], result["worst_error_at"], result["step_rel_errors"])
+
+    first = errors(0.02, "step 1, output", [0.02, 0.01], {"output": 0.02, "input gradient": 0.01})
+    first.merge(errors(0.05, "step 2, input gradient", [0.0, 0.05], {"input gradient": 0.05}))
     assert first.tensor_rel_errors == {"output": 0.02, "input gradient": 0.05}
-    assert (first.max_rel_error, first.worst_error_at, first.step_rel_errors) == (
-        0.05,
-        "step 2, input gradient",
-        [0.02, 0.05],
-    )
-    first.merge(ModeResult("m", max_rel_error=0.03, worst_error_at="step 1, output"))  # a later round: kept
-    assert (first.max_rel_error, first.worst_error_at, first.step_rel_errors) == (
-        0.05,
-        "step 2, input gradient",
-        [0.02, 0.05],
-    )
+    assert worst(first.to_dict()) == (0.05, "step 2, input gradient", [0.02, 0.05])
+    first.merge(errors(0.03, "step 1, output"))  # a later round: kept
+    assert worst(first.to_dict()) == (0.05, "step 2, input gradient", [0.02, 0.05])
     mode = select(["capacity+equal"], 1.5)[1]
-    other = ModeResult(
-        "m",
-        max_rel_error=0.08,
-        worst_error_at="step 1, gradient of w",
-        step_rel_errors=[0.08, 0.01],
-        tensor_rel_errors={"gradient of w": 0.08, "output": 0.01},
-    )
+    other = errors(0.08, "step 1, gradient of w", [0.08, 0.01], {"gradient of w": 0.08, "output": 0.01})
     row = report.aggregate(mode, [first.to_dict(), other.to_dict()])
     assert row["tensor_rel_errors"] == {"output": 0.02, "input gradient": 0.05, "gradient of w": 0.08}
-    assert (row["max_rel_error"], row["worst_error_at"], row["step_rel_errors"]) == (
-        0.08,
-        "step 1, gradient of w",
-        [0.08, 0.05],
-    )
+    assert worst(row) == (0.08, "step 1, gradient of w", [0.08, 0.05])
 
 
 def test_a_graph_modes_step_is_the_replay():
