@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ext.tooling.ranks import Placement
-from tests.distributed import run_ranks
+from tests.distributed import python_module, run_ranks
 
 WORLD, LAYERS, TOKENS, HIDDEN, EXPERTS, TOPK, STEPS, ROUNDS = 2, 2, 64, 32, 8, 2, 2, 2  # E / (2 top-k) = 2
 TINY = [
@@ -54,14 +54,7 @@ HAS_DEEP_EP = importlib.util.find_spec("deep_ep") is not None
 
 
 def _bench(*args, env=None, timeout=600):
-    return subprocess.run(
-        [sys.executable, "-m", "megatron_ext.bench", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=ROOT,
-        env={**os.environ, **(env or {})},
-    )
+    return python_module("megatron_ext.bench", *args, timeout=timeout, env=env)
 
 
 @pytest.fixture(scope="module")
@@ -492,20 +485,12 @@ def test_runahead_counts_the_dispatches_the_host_passed_while_the_gpu_slept(monk
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")
 def test_kernel_counter_refuses_without_a_gpu():
-    result = subprocess.run(
-        [sys.executable, "-m", "megatron_ext.bench.kernels", "--layers", "2"], capture_output=True, text=True, cwd=ROOT
-    )
+    result = python_module("megatron_ext.bench.kernels", "--layers", "2")
     assert result.returncode == 2 and "needs a CUDA GPU" in result.stderr, result.stderr
 
 
 def test_profile_refuses_a_capacity_factor_below_one():
-    result = subprocess.run(
-        [sys.executable, "-m", "megatron_ext.bench.profile", "--capacity-factor", "0.5"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=ROOT,
-    )
+    result = python_module("megatron_ext.bench.profile", "--capacity-factor", "0.5", timeout=120)
     assert result.returncode == 2 and "--capacity-factor 0.5 would drop tokens" in result.stderr, result.stderr
 
 
