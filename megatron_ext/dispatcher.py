@@ -50,6 +50,7 @@ from megatron.core.transformer.moe.token_dispatcher import MoEFlexTokenDispatche
 
 from megatron_ext import budget as budgets
 from megatron_ext.capacity import budget_from_rows, capacity_from_rows, equal_count_padding, half_headroom
+from megatron_ext.host_constant import host_constant
 from megatron_ext.hybridep import autograd, fp8, overflow_flag
 from megatron_ext.hybridep.buffers import get_buffer
 from megatron_ext.hybridep.deep_ep_buffer import DeepEPTuning, tuning_flags_set
@@ -66,7 +67,6 @@ from megatron_ext.options import (
     resolve_implementation,
     validate,
 )
-from megatron_ext.tooling.sync import host_constant
 
 logger = logging.getLogger(__name__)
 

@@ -11,8 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed import outcome_test, results_fixture
-from tests.megatron_env import FLEX, copy_weights, make_config, moe_layer, on_gpu, run_megatron_checks, step_inputs
+from tests.megatron_env import FLEX, copy_weights, make_config, megatron_check_tests, moe_layer, on_gpu, step_inputs
 
 HIDDEN = 16
 WORLD_SIZES = (1, 2)
@@ -561,10 +560,7 @@ CHECKS = (
 )
 
 
-results = results_fixture(run_megatron_checks, WORLD_SIZES, CHECKS)
-
-
-test_recovery = outcome_test(CHECKS)
+results, test_recovery = megatron_check_tests(CHECKS, WORLD_SIZES)
 
 
 def test_the_patch_wraps_the_schedule_of_megatrons_training_loop():
