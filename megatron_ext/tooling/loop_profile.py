@@ -32,15 +32,15 @@ CATEGORIES: tuple[tuple[str, re.Pattern], ...] = tuple(
     (name, re.compile(pattern))
     for name, pattern in (
         ("NCCL", r"nccl"),
-        ("grouped GEMM (experts)", r"[Gg]roup(ed)?(Problem|Gemm|_?mm|Shape)|grouped"),
+        ("grouped GEMM (experts)", r"GroupProblemShape|[Gg]rouped_?[Gg]emm|grouped_mm|prepare_grouped"),
         ("megatron-ext dispatch (Triton)", r"_gather_rows|_block_counts|_layout_kernel|_sum_rows_per_slot"),
         ("megatron-ext activation (Triton)", r"_activation_probs"),
         ("GEMM (attention, router, output)", r"nvjet|gemm|Gemm|xmma|cutlass|cublas|sm90_"),
-        ("attention softmax", r"softmax|[Ss]oftmax|flash|fmha"),
+        ("attention softmax", r"[Ss]oft[Mm]ax|flash|fmha"),
         ("optimizer", r"multi_tensor|[Aa]dam|_foreach|fused_adam"),
         ("sort, scan, top-k (routing, permute)", r"sort|[Ss]can|topk|TopK|cumsum|bucketize|radix|Radix"),
         ("index, scatter, gather", r"index|[Ss]catter|[Gg]ather|masked|nonzero"),
-        ("copy, memset", r"^Memcpy|^Memset|copy|Copy|fill|Fill"),
+        ("copy, memset", r"^Memcpy|^Memset|^memcpy|copy|Copy|fill|Fill"),
         ("reduction", r"reduce|[Rr]eduction"),
         ("elementwise", r"elementwise|[Vv]ectorized|unrolled|pointwise|triton_"),
     )
@@ -107,18 +107,20 @@ def summarize(events: list[dict[str, Any]]) -> dict[str, Any]:
     iterations = len(steps)
     gpu = [e for e in events if e.get("ph") == "X" and e.get("cat") in GPU_EVENTS]
     busy = _union_ms([(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in gpu])
-    per_kernel: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    # Categorised by the full name (a grouped GEMM says so in its template arguments), listed short.
+    per_kernel: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0.0])
     for e in gpu:
         name = short_name(e["name"]) if e.get("cat") == "kernel" else e["name"].split(" ")[0]
-        per_kernel[name][0] += 1
-        per_kernel[name][1] += float(e["dur"]) / 1e3
+        entry = per_kernel[(name, category(e["name"]))]
+        entry[0] += 1
+        entry[1] += float(e["dur"]) / 1e3
     runtime = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("cuda_runtime", "cuda_driver")]
     waits = [e for e in runtime if SYNC_CALLS.match(str(e.get("name", "")))]
     launches = sum(1 for e in runtime if LAUNCH_CALLS.match(str(e.get("name", ""))))
     kernels = sorted(
         (
-            {"kernel": name, "category": category(name), "calls": calls / iterations, "ms": ms / iterations}
-            for name, (calls, ms) in per_kernel.items()
+            {"kernel": name, "category": kind, "calls": calls / iterations, "ms": ms / iterations}
+            for (name, kind), (calls, ms) in per_kernel.items()
         ),
         key=lambda k: -k["ms"],
     )
