@@ -57,6 +57,28 @@ def test_summarize_counts_host_steps_and_the_union_of_gpu_work():
     assert [k["ms"] for k in s["kernels"]] == sorted((k["ms"] for k in s["kernels"]), reverse=True)
 
 
+def test_gpu_idle_is_split_where_the_host_ends_forward_and_backward():
+    events = [
+        _x("user_annotation", "ProfilerStep#3", 0, 10_000),
+        _x("kernel", "k", 0, 1000, tid=7),
+        _x("kernel", "k", 5000, 1000, tid=7),
+        _x("cpu_op", "autograd::engine::evaluate_function: MulBackward0", 300, 100, tid=2),
+        _x("cpu_op", "autograd::engine::evaluate_function: AddBackward0", 2000, 600, tid=2),  # ends at 2600
+        _x("cpu_op", "Optimizer.step#AdamW.step", 7000, 500),
+    ]
+    s = loop_profile.summarize(events)
+    assert s["gpu_idle_forward_backward_ms"] == pytest.approx(1.6)  # 1000-2600
+    assert s["gpu_idle_step_end_ms"] == pytest.approx(2.4 + 4.0)  # 2600-5000, 6000-10000
+    assert s["gpu_busy_ms"] == pytest.approx(2.0)
+    graphed = [e for e in events if not e["name"].startswith("autograd")]
+    graphed.append(_x("cuda_runtime", "cudaGraphLaunch", 4000, 10))  # a graph of the step: its launch ends it
+    s = loop_profile.summarize(graphed)
+    assert s["gpu_idle_forward_backward_ms"] == pytest.approx(3.01)  # 1000-4010
+    no_marks = loop_profile.summarize(_trace(2))  # nothing marks the end: all of a step's idle time
+    assert no_marks["gpu_idle_forward_backward_ms"] == pytest.approx(0.970)
+    assert no_marks["gpu_idle_step_end_ms"] == 0
+
+
 def test_a_trace_without_profiled_steps_is_refused():
     with pytest.raises(ValueError, match="ProfilerStep"):
         loop_profile.summarize([e for e in _trace(1) if e["cat"] != "user_annotation"])

@@ -10,6 +10,10 @@ opened by a `ProfilerStep#` annotation. `summarize(trace)` reads one into per-it
 * `host_wait_ms` and `host_waits`: the host's time blocked in CUDA synchronisations (stream, event,
   device; what `.item()`, `.tolist()` and a blocking dispatch wait in) and how many it made,
 * `launches`: kernel and graph launches the host made,
+* `gpu_idle_forward_backward_ms`, `gpu_idle_step_end_ms`: the GPU's idle time within the steps, until
+  the host has issued forward and backward (where the dispatch's waits are) and after (Megatron's
+  step end: the optimizer, the logging). Profiled iterations run the host slower than others: where
+  the host sets the pace, these are larger than in an unprofiled iteration,
 * `kernels`: per kernel name, its category, calls and milliseconds per iteration, largest first;
   `categories`: the same summed by category (`CATEGORIES`, from the kernel's name).
 
@@ -51,6 +55,9 @@ GPU_EVENTS = {"kernel", "gpu_memcpy", "gpu_memset"}
 SYNC_CALLS = re.compile(r"^(cuda|cu)(Stream|Event|Device|Ctx)Synchronize")
 LAUNCH_CALLS = re.compile(r"^(cuda|cu)(LaunchKernel|LaunchKernelEx|GraphLaunch|LaunchCooperativeKernel)")
 STEP = re.compile(r"^ProfilerStep#(\d+)$")
+# Host events that belong to a step's forward and backward: autograd's backward functions, and the
+# launch of a CUDA graph (a full-iteration graph holds forward and backward; the optimizer is eager).
+FORWARD_BACKWARD = re.compile(r"^autograd::engine::evaluate_function|^cudaGraphLaunch")
 
 
 def category(kernel: str) -> str:
@@ -86,6 +93,32 @@ def _union_ms(intervals: list[tuple[float, float]]) -> float:
         total += stop - max(start, end)
         end = stop
     return total / 1e3
+
+
+def _idle_split(steps: list[dict], gpu: list[dict], marks: list[dict]) -> tuple[float, float]:
+    """The GPU's idle ms within the steps, summed, split at the end of each step's forward and
+    backward on the host: the end of its last `marks` event (autograd's backward functions, or the
+    launch of a graph that holds the step); a step without one counts as all forward and backward."""
+    before = after = 0.0
+    for step in steps:
+        start, end = float(step["ts"]), float(step["ts"]) + float(step["dur"])
+        cut = max(
+            (float(m["ts"]) + float(m["dur"]) for m in marks if start <= float(m["ts"]) <= end),
+            default=end,
+        )
+        busy = sorted(
+            (max(float(e["ts"]), start), min(float(e["ts"]) + float(e["dur"]), end))
+            for e in gpu
+            if float(e["ts"]) < end and float(e["ts"]) + float(e["dur"]) > start
+        )
+        cursor = start
+        for a, b in busy + [(end, end)]:
+            if a > cursor:
+                head = max(0.0, min(a, cut) - cursor)
+                before += head
+                after += (a - cursor) - head
+            cursor = max(cursor, b)
+    return before / 1e3, after / 1e3
 
 
 def load(path: Path) -> list[dict[str, Any]]:
@@ -129,8 +162,12 @@ def summarize(events: list[dict[str, Any]]) -> dict[str, Any]:
         c = categories.setdefault(k["category"], {"calls": 0.0, "ms": 0.0})
         c["calls"] += k["calls"]
         c["ms"] += k["ms"]
+    marks = [e for e in events if e.get("ph") == "X" and FORWARD_BACKWARD.match(str(e.get("name", "")))]
+    idle_before, idle_after = _idle_split(steps, gpu, marks)
     return {
         "iterations": iterations,
+        "gpu_idle_forward_backward_ms": idle_before / iterations,
+        "gpu_idle_step_end_ms": idle_after / iterations,
         "wall_ms": sum(float(s["dur"]) for s in steps) / 1e3 / iterations,
         "gpu_busy_ms": busy / iterations,
         "host_wait_ms": sum(float(e["dur"]) for e in waits) / 1e3 / iterations,
@@ -146,7 +183,9 @@ def markdown(summary: dict[str, Any], top: int = 15) -> str:
     lines = [
         f"{summary['iterations']} profiled iterations; per iteration: GPU busy {summary['gpu_busy_ms']:.2f} ms, "
         f"host wall {summary['wall_ms']:.2f} ms (profiled), host blocked in {summary['host_waits']:.0f} "
-        f"synchronisations for {summary['host_wait_ms']:.2f} ms, {summary['launches']:.0f} launches",
+        f"synchronisations for {summary['host_wait_ms']:.2f} ms, {summary['launches']:.0f} launches; GPU idle "
+        f"{summary['gpu_idle_forward_backward_ms']:.2f} ms in forward and backward, "
+        f"{summary['gpu_idle_step_end_ms']:.2f} ms in the step's end",
         "",
         "| category | calls/iteration | GPU ms/iteration |",
         "| --- | --- | --- |",

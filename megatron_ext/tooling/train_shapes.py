@@ -119,6 +119,13 @@ def report(directory: Path, shape: str, profile_start: Optional[int]) -> tuple[s
             )
             + " |"
         )
+        lines.append(
+            "| GPU idle ms: forward and backward / step end | "
+            + " | ".join(
+                f"{p['gpu_idle_forward_backward_ms']:.1f} / {p['gpu_idle_step_end_ms']:.1f}" for p in profiled.values()
+            )
+            + " |"
+        )
     record = {
         "shape": shape,
         "profile_start": profile_start,
