@@ -119,7 +119,7 @@ class DeviceCounters:
     updates the very tensors the overflow policy, the metrics and the bench read. Never read here."""
 
     # The most rows a non-blocking dispatch filled since the counters were made or last reset
-    # (`reset_rows_used`, by megatron_ext.recovery at the start of a step); 0: none filled.
+    # (in place, by megatron_ext.recovery's `StepCheck` at the start of a step); 0: none filled.
     rows_used: torch.Tensor
     # Non-blocking dispatches that overflowed since the layer was built (only grows).
     overflows: torch.Tensor
@@ -277,12 +277,6 @@ class HybridEPCapacityManager:
     def expert_rows_used(self) -> Optional[torch.Tensor]:
         """`counters.expert_rows_used` (None before calibration)."""
         return None if self.counters is None else self.counters.expert_rows_used
-
-    def reset_rows_used(self) -> None:
-        """Start new maxima of rows used (in place: a captured graph keeps writing the same tensors)."""
-        if self.counters is not None:
-            self.counters.rows_used.zero_()
-            self.counters.expert_rows_used.zero_()
 
     def _refuse_under_capture(self, what: str) -> None:
         if not capturing():
