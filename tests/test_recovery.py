@@ -318,8 +318,8 @@ def counters_are_written_in_place_and_nothing_keeps_autograd_history(rank, world
 def host_work_under_capture_is_refused_by_name(rank, world):
     """During a CUDA graph capture a blocking dispatch (calibration), growing the capacity and the
     uneven-count pad raise GraphCaptureError saying why; a calibrated layer's dispatch runs. (No GPU
-    here: the capture is simulated by `dispatcher.capturing`, the one place the manager asks.)"""
-    from megatron_ext import dispatcher
+    here: the capture is simulated by `capacity_policy.capturing`, the one place the refusals ask.)"""
+    from megatron_ext import capacity_policy as dispatcher
     from megatron_ext.dispatcher import GraphCaptureError
 
     layer, _, manager = _layers(world, moe_hybridep_equal_token_counts=True)
