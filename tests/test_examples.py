@@ -39,6 +39,7 @@ DRY_RUNS = {
     "smoke": ("smoke_1gpu.sh", {}, []),
     "smoke-blocking": ("smoke_1gpu.sh", {"MODE": "blocking"}, []),
     "smoke-stock": ("smoke_1gpu.sh", {"MODE": "stock"}, []),
+    "smoke-stock-hybridep": ("smoke_1gpu.sh", {"MODE": "stock-hybridep"}, []),
     "smoke-no-kernel-cache": ("smoke_1gpu.sh", {"KERNEL_CACHE": ""}, []),
     "smoke-fp16": ("smoke_1gpu.sh", {"PRECISION": "fp16", "MODE": "blocking"}, []),
     # capacity mode's own experts compute in bf16 on a GPU: refused when parsed
@@ -246,6 +247,10 @@ def test_smoke_stock_dry_run_is_megatrons_all_to_all_with_the_same_model(dry_run
     # The same model and experts otherwise, so the loop's figures compare like for like.
     for name in ("layers", "hidden size", "experts", "top-k", "experts built", "params dtype", "layer spec"):
         assert stock[name] == capacity[name], name
+    # Megatron's own HybridEP flex dispatcher: none of megatron-ext's flags set.
+    hybridep = dry_run_report(dry_runs, "smoke-stock-hybridep")
+    assert (hybridep["dispatcher"], hybridep["flex backend"]) == ("flex", "hybridep")
+    assert (hybridep[FACTOR], hybridep[EQUAL], hybridep[REUSE]) == ("None", "False", "False")
 
 
 def test_ep8_dry_run(dry_runs):
