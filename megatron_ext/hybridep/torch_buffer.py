@@ -28,10 +28,10 @@ How tokens move (W ranks, T tokens per rank, rank r owns experts [r * L, (r + 1)
   token's rows by a [slots, L] table. Rows past the padded total (a capacity's spare rows) are
   left unwritten, as deep_ep leaves them; on CPU they are zero. One rank exchanges nothing.
 
-This module holds the buffer's constructor, its dispatch (plan, layout, row moves) and its
-collectives; the rest lives beside it: the handle (`torch_handle.py`), the argument checks
-(`torch_checks.py`) and the combine (`torch_combine.py`), the last two inherited by
-`TorchHybridEPBuffer`.
+This module holds the buffer's constructor, its dispatch (plan, layout, row moves), its
+collectives and its combine's entry; the rest lives beside it: the handle (`torch_handle.py`), the
+argument checks (`torch_checks.py`) and the combine's row sums and moves (`torch_combine.py`), the
+last two inherited by `TorchHybridEPBuffer`.
 """
 
 from __future__ import annotations
@@ -450,19 +450,6 @@ class TorchHybridEPBuffer(TorchBufferCombine, TorchBufferChecks):
             recv_counts=received.view(W, num_tokens).sum(dim=1),
         )
 
-    def _returned_rows(self, num_tokens: int, device: torch.device) -> torch.Tensor:
-        """`[T, W]` int32 `w * T + t`: where a non-blocking combine's partial of token t from rank w
-        comes back. The same for every dispatch of a token count: made once."""
-        key = (num_tokens, device)
-        table = self._returned_rows_cache.get(key)
-        if table is None:
-            W = self.world_size
-            table = (torch.arange(W, device=device) * num_tokens + torch.arange(num_tokens, device=device)[:, None]).to(
-                torch.int32
-            )
-            self._returned_rows_cache = {key: table}
-        return table
-
     def _move_rows(self, hidden, probs, handle: HybridEPHandle, key: str = "rows"):
         """Bring the rows of `handle`'s layout to this rank and place them; a padding row (a slot
         past the received ones) reads as zeros. Returns (rows, probs, rows sent to other ranks).
@@ -522,6 +509,55 @@ class TorchHybridEPBuffer(TorchBufferCombine, TorchBufferChecks):
             recv[:slots], handle.row_slot, handle.real_rows, recv_probs[:slots, :L], handle.row_prob_index
         )
         return rows, row_probs, sent_elsewhere
+
+    # ------------------------------------------------------------------ combine
+
+    def combine_with_unpermute(
+        self,
+        *,
+        hidden: torch.Tensor,
+        probs: Optional[torch.Tensor] = None,
+        handle: HybridEPHandle,
+        pad_multiple: Optional[int] = None,
+        fuse_unpermute_combine: bool = False,
+    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Return each token the unweighted sum of its rows, over every expert and rank.
+
+        Args:
+            hidden: `[capacity, H]` rows in the dispatch layout of `handle` (padding rows and rows past
+                the padded total are ignored).
+            probs: `[capacity]` float32 per-row values (e.g. gradients of dispatched probs), or None.
+            handle: the handle of the dispatch that produced the layout.
+
+        Returns:
+            `(tokens [T, H] in hidden's dtype, probs [T, E] float32 or None)`.
+        """
+        self._check_handle(handle, "handle")
+        self._check_hidden(hidden, "hidden")
+        capacity = handle.capacity
+        _check(hidden.shape[0] == capacity, "hidden", f"[{capacity}, H] (the dispatch's rows)", hidden)
+        if pad_multiple is not None:
+            _check(
+                pad_multiple == handle.pad_multiple,
+                "pad_multiple",
+                f"{handle.pad_multiple} (the dispatch's)",
+                pad_multiple,
+            )
+        if probs is not None:
+            _check(
+                probs.dtype == torch.float32 and tuple(probs.shape) == (capacity,),
+                "probs",
+                f"a float32 tensor of shape [{capacity}]",
+                probs,
+            )
+        tokens, token_probs, rows_elsewhere = self._combine_rows(hidden, probs, handle)
+        self._combine_traffic = (
+            0,
+            rows_elsewhere,
+            hidden.shape[1] * hidden.element_size(),
+            0 if probs is None else _probs_row_bytes(handle, self.num_local_experts),
+        )
+        return tokens, token_probs
 
     # ------------------------------------------------------------------ helpers
 

@@ -1,19 +1,17 @@
-"""The torch HybridEP buffer's combine: `TorchBufferCombine.combine_with_unpermute`, which sums each
+"""The torch HybridEP buffer's combine rows: `TorchBufferCombine._combine_rows`, which sums each
 token's rows over every expert and rank (on the expert's rank first, in float32, then in rank
-order on the token's), on the process group's collectives or through the exact-rows exchange, and
-the torch path's row sums it uses (`_accumulate`, padding rows spread over `PADDING_SPREAD`
-discarded slots). `TorchHybridEPBuffer` inherits it.
+order on the token's), on the process group's collectives or through the exact-rows exchange
+(`_combine_exact_rows`), where a non-blocking combine's partials come back (`_returned_rows`),
+and the torch path's row sums (`_accumulate`, padding rows spread over `PADDING_SPREAD`
+discarded slots). `TorchHybridEPBuffer` inherits it; its `combine_with_unpermute` calls it.
 """
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from megatron_ext import fused
-from megatron_ext.hybridep.torch_checks import _check
-from megatron_ext.hybridep.torch_handle import HybridEPHandle, _probs_row_bytes, _probs_width
+from megatron_ext.hybridep.torch_handle import HybridEPHandle, _probs_width
 
 
 def _probs_per_slot(probs: torch.Tensor, handle: HybridEPHandle, num_local: int) -> torch.Tensor:
@@ -41,55 +39,21 @@ def _accumulate(out: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> t
 
 
 class TorchBufferCombine:
-    """The combine of `TorchHybridEPBuffer` (it inherits it; the methods use the buffer's
+    """The combine rows of `TorchHybridEPBuffer` (it inherits them; the methods use the buffer's
     collectives `_exchange` and `_sent_elsewhere`, its exchange `_splits_exchange`, and its checks)."""
 
-    def combine_with_unpermute(
-        self,
-        *,
-        hidden: torch.Tensor,
-        probs: Optional[torch.Tensor] = None,
-        handle: HybridEPHandle,
-        pad_multiple: Optional[int] = None,
-        fuse_unpermute_combine: bool = False,
-    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """Return each token the unweighted sum of its rows, over every expert and rank.
-
-        Args:
-            hidden: `[capacity, H]` rows in the dispatch layout of `handle` (padding rows and rows past
-                the padded total are ignored).
-            probs: `[capacity]` float32 per-row values (e.g. gradients of dispatched probs), or None.
-            handle: the handle of the dispatch that produced the layout.
-
-        Returns:
-            `(tokens [T, H] in hidden's dtype, probs [T, E] float32 or None)`.
-        """
-        self._check_handle(handle, "handle")
-        self._check_hidden(hidden, "hidden")
-        capacity = handle.capacity
-        _check(hidden.shape[0] == capacity, "hidden", f"[{capacity}, H] (the dispatch's rows)", hidden)
-        if pad_multiple is not None:
-            _check(
-                pad_multiple == handle.pad_multiple,
-                "pad_multiple",
-                f"{handle.pad_multiple} (the dispatch's)",
-                pad_multiple,
+    def _returned_rows(self, num_tokens: int, device: torch.device) -> torch.Tensor:
+        """`[T, W]` int32 `w * T + t`: where a non-blocking combine's partial of token t from rank w
+        comes back. The same for every dispatch of a token count: made once."""
+        key = (num_tokens, device)
+        table = self._returned_rows_cache.get(key)
+        if table is None:
+            W = self.world_size
+            table = (torch.arange(W, device=device) * num_tokens + torch.arange(num_tokens, device=device)[:, None]).to(
+                torch.int32
             )
-        if probs is not None:
-            _check(
-                probs.dtype == torch.float32 and tuple(probs.shape) == (capacity,),
-                "probs",
-                f"a float32 tensor of shape [{capacity}]",
-                probs,
-            )
-        tokens, token_probs, rows_elsewhere = self._combine_rows(hidden, probs, handle)
-        self._combine_traffic = (
-            0,
-            rows_elsewhere,
-            hidden.shape[1] * hidden.element_size(),
-            0 if probs is None else _probs_row_bytes(handle, self.num_local_experts),
-        )
-        return tokens, token_probs
+            self._returned_rows_cache = {key: table}
+        return table
 
     def _combine_rows(self, hidden, probs, handle: HybridEPHandle):
         """Sum each token's rows and bring the sums (and probs) back to the token's rank.
