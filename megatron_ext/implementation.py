@@ -19,7 +19,7 @@ from megatron_ext.option_fields import (
     flag,
 )
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("megatron_ext.options")  # the name its lines had: users may filter by it
 
 
 # What megatron-ext passes to `HybridEPBuffer.dispatch_with_permute` that hybrid-ep builds before

@@ -520,7 +520,7 @@ def test_auto_picks_torch_at_a_hidden_size_deep_ep_cannot_take(monkeypatch, capl
     monkeypatch.setattr(implementation, "_AUTO_FALLBACKS_LOGGED", set())
     assert options.resolve_implementation("auto", 4096) == "deep_ep"
     assert options.resolve_implementation("auto", None) == "deep_ep"
-    with caplog.at_level(logging.WARNING, logger="megatron_ext.implementation"):
+    with caplog.at_level(logging.WARNING, logger="megatron_ext.options"):
         assert options.resolve_implementation("auto", 64) == "torch"
         assert options.resolve_implementation("auto", 64) == "torch"
     fallbacks = [r.getMessage() for r in caplog.records if "auto uses the torch implementation" in r.getMessage()]
@@ -543,7 +543,7 @@ def test_compact_routing_makes_auto_pick_torch(monkeypatch, caplog):
     monkeypatch.setattr(implementation, "_AUTO_FALLBACKS_LOGGED", set())
     compact = options.HybridEPOptions(compact_routing=True)
     assert dispatcher.agreed_implementation(options.HybridEPOptions(), 4096, None) == "deep_ep"
-    with caplog.at_level(logging.INFO, logger="megatron_ext.implementation"):
+    with caplog.at_level(logging.INFO, logger="megatron_ext.options"):
         assert dispatcher.agreed_implementation(compact, 4096, None) == "torch"
         assert dispatcher.agreed_implementation(compact, 4096, None) == "torch"
     said = [r.getMessage() for r in caplog.records if "--moe-hybridep-compact-routing" in r.getMessage()]
