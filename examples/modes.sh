@@ -4,6 +4,11 @@
 #     capacity (default): --moe-hybridep-capacity-factor $CAPACITY_FACTOR (default 1.5)
 #                         --moe-hybridep-equal-token-counts
 #     blocking: nothing (Megatron's blocking dispatch, the same run otherwise)
+#     stock: Megatron's own all-to-all dispatcher, none of megatron-ext's flags (the same model and
+#            experts: what a user runs before turning megatron-ext on)
+#     stock-hybridep: Megatron's own flex dispatcher on DeepEP's HybridEP, none of megatron-ext's
+#            flags (Megatron's manager runs it where deep_ep imports; elsewhere megatron-ext's torch
+#            implementation stands in, which is then no stock run)
 #   PRECISION: bf16 (default) or fp16; a script passes --$PRECISION. fp16 with MODE=capacity needs
 #     TE's op-fuser experts (megatron-ext's own compute in bf16 on a GPU; the parse says so).
 #   common_flags: the flags of both modes that every launch script passes; a script adds its
@@ -18,8 +23,17 @@ CAPACITY_FACTOR=${CAPACITY_FACTOR:-1.5}
 case $MODE in
   capacity) mode_flags=(--moe-hybridep-capacity-factor "$CAPACITY_FACTOR" --moe-hybridep-equal-token-counts) ;;
   blocking) mode_flags=() ;;
-  *) echo "MODE must be capacity or blocking, not '$MODE'" >&2; exit 2 ;;
+  stock | stock-hybridep) mode_flags=() ;;
+  *) echo "MODE must be capacity, blocking, stock or stock-hybridep, not '$MODE'" >&2; exit 2 ;;
 esac
+# The dispatcher: Megatron's HybridEP flex dispatcher (megatron-ext's), or for stock its all-to-all.
+if [ "$MODE" = stock ]; then
+  dispatcher_flags=(--moe-token-dispatcher-type alltoall)
+elif [ "$MODE" = stock-hybridep ]; then
+  dispatcher_flags=(--moe-token-dispatcher-type flex --moe-flex-dispatcher-backend hybridep)
+else
+  dispatcher_flags=(--moe-token-dispatcher-type flex --moe-flex-dispatcher-backend hybridep --moe-hybridep-reuse-allgather-buffer)
+fi
 case $PRECISION in
   bf16 | fp16) ;;
   *) echo "PRECISION must be bf16 or fp16, not '$PRECISION'" >&2; exit 2 ;;
@@ -43,9 +57,8 @@ common_flags=(
   --disable-bias-linear --untie-embeddings-and-output-weights
   --attention-dropout 0 --hidden-dropout 0
   --moe-grouped-gemm --moe-router-load-balancing-type aux_loss
-  --moe-token-dispatcher-type flex --moe-flex-dispatcher-backend hybridep
-  --moe-hybridep-reuse-allgather-buffer
+  "${dispatcher_flags[@]}"
   --mock-data --tokenizer-type NullTokenizer --vocab-size 32000
 )
 KERNEL_CACHE=${KERNEL_CACHE-${XDG_CACHE_HOME:-$HOME/.cache}/megatron-ext/hybrid-ep-kernels}
-if [ -n "$KERNEL_CACHE" ]; then common_flags+=(--moe-hybridep-kernel-cache "$KERNEL_CACHE"); fi
+if [ -n "$KERNEL_CACHE" ] && [ "$MODE" != stock ] && [ "$MODE" != stock-hybridep ]; then common_flags+=(--moe-hybridep-kernel-cache "$KERNEL_CACHE"); fi

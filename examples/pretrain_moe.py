@@ -531,6 +531,19 @@ def main() -> None:
         forward_step,
         model_provider=model_provider,
     )
+    report_peak_memory()
+
+
+def report_peak_memory() -> None:
+    """One line per rank with the job's peak GPU memory (what `.ci/gpu-suite train-shapes` compares):
+    Megatron reports memory after the first iteration only, which capacity mode spends calibrating."""
+    mib = 2**20
+    print(
+        f"megatron-ext example: rank {torch.distributed.get_rank() if torch.distributed.is_initialized() else 0}: "
+        f"peak GPU memory allocated {torch.cuda.max_memory_allocated() / mib:.0f} MiB, "
+        f"reserved {torch.cuda.max_memory_reserved() / mib:.0f} MiB",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@
 # Env: RANKS (default 2: processes, one per GPU unless RANKS_PER_GPU), RANKS_PER_GPU (default 1), PP
 # (default 1: pipeline stages; the expert-parallel size is RANKS / PP), VPP (default 1: virtual
 # stages per pipeline rank, the interleaved schedule; the 4 layers must divide by PP x VPP),
-# MODE=capacity|blocking, PRECISION=bf16|fp16, PYTHON, DRY_RUN=1 (check the flags with Megatron's
+# MODE=capacity|blocking|stock, PRECISION=bf16|fp16, PYTHON, DRY_RUN=1 (check the flags with Megatron's
 # parser on any machine: pretrain_moe.py --megatron-ext-dry-run). Extra arguments go to
 # pretrain_moe.py after these.
 set -euo pipefail

@@ -17,7 +17,7 @@
 # MODE=blocking drops the first two (Megatron's blocking dispatch): the same run otherwise, so
 # the logged losses should match those of MODE=capacity (the default).
 #
-# Env: MODE=capacity|blocking, PRECISION=bf16|fp16 (default bf16: passes --bf16 or --fp16),
+# Env: MODE=capacity|blocking|stock, PRECISION=bf16|fp16 (default bf16: passes --bf16 or --fp16),
 # PYTHON (default: the checkout's .venv/bin/python where it exists, else python), DRY_RUN=1 (check
 # the flags with Megatron's parser on any machine, no GPU: pretrain_moe.py --megatron-ext-dry-run).
 # Extra arguments go to pretrain_moe.py after these (a later flag wins, but --fp16 and --bf16 are

@@ -29,6 +29,10 @@ deep_ep installed it is Megatron's own `MoEFlexTokenDispatcher`, unchanged. Othe
   (`megatron_ext.recovery` does for Megatron's graphs). Host work attempted under capture (a
   blocking dispatch, calibration, growth, the uneven-count pad) raises `GraphCaptureError`.
 
+What a layer decides (sizing and growth, which dispatch blocks, the overflow check, its counters and
+metrics) is `megatron_ext.capacity_policy.CapacityPolicy`, which the manager inherits; this module
+is the mechanics: token counts, buffers, the calls into them, and the dispatcher Megatron builds.
+
 Names: a layer's `capacity` is the host int its non-blocking dispatches are sized to (DeepEP's
 `num_permuted_tokens`, used only in calls into a buffer); `rows` are the rows a dispatch really
 produced (padded per expert), at most its capacity.
@@ -39,7 +43,6 @@ from __future__ import annotations
 import itertools
 import logging
 import weakref
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -49,8 +52,21 @@ from megatron.core.transformer.moe.moe_utils import get_align_size_for_quantizat
 from megatron.core.transformer.moe.token_dispatcher import MoEFlexTokenDispatcher, MoETokenDispatcher
 
 from megatron_ext import budget as budgets
-from megatron_ext.capacity import budget_from_rows, capacity_from_rows, equal_count_padding, half_headroom
-from megatron_ext.hybridep import autograd, fp8, overflow_flag
+from megatron_ext.capacity import equal_count_padding
+from megatron_ext.capacity_policy import (  # noqa: F401 - the names other modules import from here
+    CAPACITY_USE_MAX_METRIC,
+    CAPACITY_USE_METRIC,
+    DEVICE_MESSAGE_LIMIT,
+    CapacityPolicy,
+    DeviceCounters,
+    GraphCaptureError,
+    capturing,
+    device_message,
+    group_device,
+    in_backward,
+    numbered_layers,
+)
+from megatron_ext.hybridep import autograd, fp8
 from megatron_ext.hybridep.buffers import get_buffer
 from megatron_ext.hybridep.deep_ep_buffer import DeepEPTuning, tuning_flags_set
 from megatron_ext.hybridep.protocol import Handle, HybridEPBuffer
@@ -66,23 +82,12 @@ from megatron_ext.options import (
     resolve_implementation,
     validate,
 )
-from megatron_ext.tooling.sync import host_constant
 
 logger = logging.getLogger(__name__)
 
 
-def group_device(group: Optional[dist.ProcessGroup] = None) -> torch.device:
-    """Where `group`'s collectives take their tensors: this rank's GPU on NCCL, else the CPU."""
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 # HybridEP's kernels work on 64-token chunks; Megatron pads uneven inputs to this too.
 TOKEN_ALIGNMENT = 64
-
-# torch's CUDA `_assert_async` refuses messages of 255 characters or more.
-DEVICE_MESSAGE_LIMIT = 255
 
 _layer_counter = itertools.count()
 
@@ -112,34 +117,6 @@ class InFlight:
     budget_map: Optional[budgets.BudgetMap] = None
 
 
-@dataclass(frozen=True)
-class DeviceCounters:
-    """What a layer's non-blocking dispatches record on the device: int64 scalars, allocated once at
-    calibration (before any CUDA graph capture) and only ever written in place, so a replayed graph
-    updates the very tensors the overflow policy, the metrics and the bench read. Never read here."""
-
-    # The most rows a non-blocking dispatch filled since the counters were made or last reset
-    # (`reset_rows_used`, by megatron_ext.recovery at the start of a step); 0: none filled.
-    rows_used: torch.Tensor
-    # Non-blocking dispatches that overflowed since the layer was built (only grows).
-    overflows: torch.Tensor
-    # With static expert splits: the most rows one local expert received, as `rows_used`.
-    expert_rows_used: torch.Tensor
-
-    @classmethod
-    def zeros(cls, device: torch.device) -> DeviceCounters:
-        return cls(*(torch.zeros((), dtype=torch.int64, device=device) for _ in range(3)))
-
-
-class GraphCaptureError(RuntimeError):
-    """Capacity mode was asked, during a CUDA graph capture, for work that reads the host."""
-
-
-def capturing() -> bool:
-    """Whether the current CUDA stream is capturing a graph (False without CUDA)."""
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-
-
 def megatron_graph_warmup() -> bool:
     """Whether Megatron is running a graphed module eagerly on stand-in inputs before capturing it:
     its per-layer graphs' warm-up (inputs of zeros) or Transformer Engine's capture helper (inputs
@@ -165,30 +142,7 @@ def expert_pad_multiple(config: Any) -> Optional[int]:
     return align if (config.fp8 or config.fp4) else None
 
 
-# The names of megatron-ext's per-layer metrics in Megatron's MoE logging (console, TensorBoard,
-# W&B): rows / capacity of each forward dispatch, averaged over micro-batches and ranks; and the
-# largest rows / capacity a step reached on any rank, which shows the rank nearest an overflow.
-CAPACITY_USE_METRIC = "hybridep_capacity_use"
-CAPACITY_USE_MAX_METRIC = "hybridep_capacity_use_max"
-
-
-def numbered_layers(config: Any) -> int:
-    """The model's transformer layers (with multi-token prediction's), as Megatron's MoE metrics
-    number them: the same on every rank, a pipeline stage with no MoE layer too."""
-    return config.num_layers + (getattr(config, "mtp_num_layers", None) or 0)
-
-
-def device_message(text: str) -> str:
-    """`text` cut to what a CUDA device-side assert carries (fewer than 255 characters)."""
-    return text if len(text) < DEVICE_MESSAGE_LIMIT else text[: DEVICE_MESSAGE_LIMIT - 4] + "..."
-
-
-def in_backward() -> bool:
-    """Whether autograd is running a backward on this thread (a checkpoint recompute is)."""
-    return torch._C._current_autograd_node() is not None
-
-
-class HybridEPCapacityManager:
+class HybridEPCapacityManager(CapacityPolicy):
     """Dispatch policy for one MoE layer, with Megatron's `_DispatchManager` interface.
 
     Args:
@@ -273,44 +227,6 @@ class HybridEPCapacityManager:
     def name(self) -> str:
         number = self.layer_number
         return self._default_name if number is None else f"MoE layer {number}"
-
-    @property
-    def rows_used(self) -> Optional[torch.Tensor]:
-        """`counters.rows_used` (None before calibration)."""
-        return None if self.counters is None else self.counters.rows_used
-
-    @property
-    def overflows(self) -> Optional[torch.Tensor]:
-        """`counters.overflows` (None before calibration)."""
-        return None if self.counters is None else self.counters.overflows
-
-    @property
-    def expert_rows_used(self) -> Optional[torch.Tensor]:
-        """`counters.expert_rows_used` (None before calibration)."""
-        return None if self.counters is None else self.counters.expert_rows_used
-
-    def reset_rows_used(self) -> None:
-        """Start new maxima of rows used (in place: a captured graph keeps writing the same tensors)."""
-        if self.counters is not None:
-            self.counters.rows_used.zero_()
-            self.counters.expert_rows_used.zero_()
-
-    def _refuse_under_capture(self, what: str) -> None:
-        if not capturing():
-            return
-        if self.options.capacity_factor is None:
-            fix = (
-                f"set {flag('moe_hybridep_capacity_factor')} and {flag('moe_hybridep_equal_token_counts')} "
-                "(capacity mode reads nothing on the host after its calibration)"
-            )
-        else:
-            fix = (
-                "capture only after the layer has calibrated in an eager step (Megatron: --cuda-graph-warmup-steps "
-                ">= 1), and re-run or grow capacities outside the graph (megatron-ext's overflow policy does)"
-            )
-        raise GraphCaptureError(
-            f"megatron-ext: {self.name}: {what} reads the host, which a CUDA graph capture cannot do; {fix}."
-        )
 
     # ----------------------------------------------------------- token counts
 
@@ -524,187 +440,6 @@ class HybridEPCapacityManager:
         if self._inflight is not None and self._inflight.budget_map is not None:
             return self._budget_counts
         return self.tokens_per_expert
-
-    # ----------------------------------------------------------- static expert splits
-
-    def _expert_budget(self) -> int:
-        if self.expert_budget is None:  # a capacity set by hand, no calibration: no expert can exceed it
-            self.grow_budget(self.capacity, "no calibration: the capacity")
-        return self.expert_budget
-
-    def grow_budget(self, largest_rows: int, why: str) -> Optional[int]:
-        """Size each local expert's budget to the EP-group max of `largest_rows` (the largest expert's
-        rows) x the factor, aligned, if that is more than it has; return the new budget or None. One
-        all-reduce and one host read: between steps, or in a blocking dispatch, only. A CUDA graph
-        captured with the old budget must be dropped after (megatron_ext.recovery does)."""
-        rows, budget = self._sized_from_group_max(
-            largest_rows, budget_from_rows, self.expert_budget, "sizing the expert budgets"
-        )
-        if budget is None:
-            # Rounding kept the budget: count the rows as learned (as grow_capacity does).
-            self.calibrated_expert_rows = max(self.calibrated_expert_rows or 0, rows)
-            return None
-        logger.log(
-            once_per_group(logging.INFO, self.group),
-            "megatron-ext: %s: expert budget %s -> %d rows each (%s: largest expert %d rows, EP-group max, x %s).",
-            self.name,
-            self.expert_budget,
-            budget,
-            why,
-            rows,
-            self.options.capacity_factor,
-        )
-        self.calibrated_expert_rows, self.expert_budget = rows, budget
-        self._budget_counts = host_constant(torch.full((self.num_local_experts,), budget, dtype=torch.int64))
-        return budget
-
-    def budget_headroom_threshold(self) -> Optional[int]:
-        """Rows of one expert above which the budgets' headroom is thin (half of the room above the
-        calibrated rows used up); None without static expert splits or before their calibration."""
-        if self.expert_budget is None or self.calibrated_expert_rows is None:
-            return None
-        return half_headroom(self.calibrated_expert_rows, self.expert_budget)
-
-    # ----------------------------------------------------------- capacity mode
-
-    def _dispatch_capacity(self) -> Optional[int]:
-        """The capacity to dispatch non-blocking with, or None for a blocking dispatch."""
-        if self.capacity is None or self.force_blocking:
-            return None
-        if self._recompute_blocking and in_backward():
-            self._recompute_blocking -= 1  # replaying the calibration forward: blocking, as it was
-            return None
-        return self.capacity
-
-    def _device_counters(self, device: torch.device) -> DeviceCounters:
-        if self.counters is None:  # made at calibration; here for a capacity set by hand
-            self._refuse_under_capture("allocating the layer's device counters")
-            self.counters = DeviceCounters.zeros(device)
-        return self.counters
-
-    def _calibrate(self, rows: int, device: torch.device) -> None:
-        self.counters = self.counters or DeviceCounters.zeros(device)
-        self.local_calibration_rows = rows
-        self.calibrated_rows = self._group_max(rows)  # the one host read of capacity mode, per layer
-        self.capacity = capacity_from_rows(self.calibrated_rows, self.options.capacity_factor, self.pad_multiple)
-        self.stats.calibrations += 1
-        self.stats.capacities.append(self.capacity)
-        if not torch.is_grad_enabled() and not in_backward():
-            self._recompute_blocking += 1
-        logger.log(
-            once_per_group(logging.INFO, self.group),
-            "megatron-ext: %s: calibrated %d rows (EP-group max %d) x %s -> capacity %d.",
-            self.name,
-            rows,
-            self.calibrated_rows,
-            self.options.capacity_factor,
-            self.capacity,
-        )
-
-    def _record_capacity_use(self, rows: torch.Tensor) -> None:
-        """Rows / capacity of this forward dispatch into Megatron's MoE metrics (`CAPACITY_USE_METRIC`,
-        logged per iteration as the mean over micro-batches and MoE layers)."""
-        if not self.log_metrics or self.layer_number is None or in_backward():  # a recompute replay: counted once
-            return
-        from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
-
-        get_moe_metrics_tracker().record(
-            CAPACITY_USE_METRIC, rows.float() / self.capacity, self.layer_number, numbered_layers(self.config)
-        )
-
-    def record_capacity_use_max(self, use: torch.Tensor, num_microbatches: int) -> None:
-        """The step's largest rows / capacity on any rank (`use`, the same on every rank) into
-        Megatron's MoE metrics (`CAPACITY_USE_MAX_METRIC`), once per step: scaled by the micro-batch
-        count, which Megatron's report divides by (it averages what each micro-batch recorded)."""
-        if not self.log_metrics or self.layer_number is None:
-            return
-        from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
-
-        get_moe_metrics_tracker().record(
-            CAPACITY_USE_MAX_METRIC, use * num_microbatches, self.layer_number, numbered_layers(self.config)
-        )
-
-    def headroom_threshold(self) -> Optional[int]:
-        """Rows above which the layer's headroom is thin: half of the padding above the calibrated
-        rows used up. None before calibration."""
-        if self.capacity is None or self.calibrated_rows is None:
-            return None
-        return half_headroom(self.calibrated_rows, self.capacity)
-
-    def grow_capacity(self, local_rows: int | torch.Tensor, why: str) -> Optional[int]:
-        """Size the capacity to the EP-group maximum of `local_rows` x the factor if that is more
-        than it has; return the new capacity, or None when it stays. One all-reduce and one host
-        read: call it between steps only (`megatron_ext.recovery` does). A CUDA graph captured with
-        the old capacity must be dropped after a growth (it would dispatch at the old one)."""
-        rows, capacity = self._sized_from_group_max(
-            local_rows, capacity_from_rows, self.capacity, "growing the capacity"
-        )
-        if capacity is None:
-            # Rounding kept the capacity: count the rows as learned, so that the headroom check
-            # does not come back to this layer every step.
-            self.calibrated_rows = max(self.calibrated_rows or 0, rows)
-            return None
-        logger.log(
-            once_per_group(logging.WARNING, self.group),
-            "megatron-ext: %s: capacity %s -> %d (%s: %d rows, EP-group max, x %s).",
-            self.name,
-            self.capacity,
-            capacity,
-            why,
-            rows,
-            self.options.capacity_factor,
-        )
-        self.calibrated_rows, self.capacity = rows, capacity
-        self.stats.calibrations += 1
-        self.stats.capacities.append(capacity)
-        return capacity
-
-    def _sized_from_group_max(
-        self,
-        local_rows: int | torch.Tensor,
-        size_of: Callable[[int, float, Optional[int]], int],
-        current: Optional[int],
-        what: str,
-    ) -> tuple[int, Optional[int]]:
-        """The EP group's maximum of `local_rows` and the size `size_of(rows, factor, pad_multiple)`
-        gives it (a capacity, or an expert budget), or None for the size where that does not exceed
-        `current`. One all-reduce and one host read, refused under capture naming `what`."""
-        self._refuse_under_capture(f"{what} (an all-reduce and a host read)")
-        rows = self._group_max(local_rows)
-        size = size_of(rows, self.options.capacity_factor, self.pad_multiple)
-        return rows, (size if current is None or size > current else None)
-
-    def _group_max(self, local_rows: int | torch.Tensor) -> int:
-        """The EP group's maximum of `local_rows` (a host int or a device scalar): one all-reduce
-        and one host read."""
-        device = group_device(self.group)
-        if isinstance(local_rows, torch.Tensor):
-            largest = local_rows.reshape(1).to(device=device, dtype=torch.int64).clone()
-        else:  # made on the device: no copy from host memory
-            largest = torch.full((1,), local_rows, dtype=torch.int64, device=device)
-        dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=self.group)
-        return int(largest.item())
-
-    def _assert_no_overflow(
-        self, handle: Handle, counters: DeviceCounters, budget_map: Optional[budgets.BudgetMap] = None
-    ) -> None:
-        overflow = overflow_flag(handle)
-        if budget_map is not None:  # an expert over its budget is an overflow too
-            overflow = torch.maximum(overflow.to(torch.int32), budget_map.overflow)
-        counters.overflows.add_(overflow.reshape(()).to(torch.int64))
-        if self.record_overflow:
-            return
-        factor = self.options.capacity_factor
-        budget = "" if budget_map is None else f" or an expert its budget of {self.expert_budget}"
-        # The fixes first after the facts: the device's limit cuts what comes after 254 characters.
-        torch._assert_async(
-            overflow.eq(0),  # the one-element flag as it is (indexing it would cost the host a view)
-            device_message(
-                f"megatron-ext: {self.name}: dispatch overflowed its capacity of {self.capacity} rows{budget}; "
-                f"stopped, not trained on truncated tokens. Raise {flag('moe_hybridep_capacity_factor')} "
-                f"({factor}) or use {flag('moe_hybridep_overflow_policy')} rerun."
-            ),
-        )
 
 
 # One verdict per process group: `auto` is resolved the same for every layer of a process.

@@ -8,79 +8,54 @@ construction, and in the dispatcher. Every message names the flag and the fix.
 from __future__ import annotations
 
 import argparse
-import inspect
-import logging
 import math
 import os
-from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Final, Literal, Optional, get_args
+from typing import Any, Optional
 
-# The one list of implementation names: `--moe-hybridep-implementation`'s choices (config.py
-# annotates its field with `Implementation`, which Megatron's parser turns into the choices),
-# the check below, and, less "auto", the buffers `megatron_ext.hybridep.buffers` builds.
-Implementation = Literal["auto", "deep_ep", "torch"]
-IMPLEMENTATIONS: tuple[str, ...] = get_args(Implementation)
-AUTO: Final = "auto"
-BUFFER_IMPLEMENTATIONS: tuple[str, ...] = tuple(name for name in IMPLEMENTATIONS if name != AUTO)
-OverflowPolicy = Literal["rerun", "fail"]
-OVERFLOW_POLICIES: tuple[str, ...] = get_args(OverflowPolicy)
-# How the torch implementation's non-blocking dispatches move tokens (`megatron_ext.hybridep.exchange`).
-Transport = Literal["auto", "process_group", "nvshmem"]
-TRANSPORTS: tuple[str, ...] = get_args(Transport)
-
-logger = logging.getLogger(__name__)
-
-
-class HybridEPConfigError(ValueError):
-    """A megatron-ext option, or its combination with a Megatron option, is invalid."""
-
-
-def flag(name: str) -> str:
-    """The command-line spelling of a config field: `moe_x_y` -> `--moe-x-y`."""
-    return "--" + name.replace("_", "-")
-
-
-@dataclass(frozen=True)
-class HybridEPOptions:
-    """The megatron-ext fields of a config (defaults: stock Megatron behaviour)."""
-
-    capacity_factor: Optional[float] = None
-    equal_token_counts: bool = False
-    verify_equal_token_counts: bool = False
-    reuse_allgather_buffer: bool = False
-    implementation: Implementation = AUTO
-    overflow_policy: OverflowPolicy = "rerun"
-    transport: Transport = AUTO
-    static_expert_splits: bool = False
-    compact_routing: bool = False
-    fp8_dispatch: bool = False
-    warm_up: bool = False
-    kernel_cache: Optional[str] = None
-
-    @classmethod
-    def from_config(cls, config: Any) -> HybridEPOptions:
-        """Read the options from a config or namespace; absent fields take their defaults."""
-        defaults = cls()
-        return cls(**{name: getattr(config, CONFIG_PREFIX + name, getattr(defaults, name)) for name in OPTION_NAMES})
-
-    def set_flags(self) -> list[str]:
-        """The flags whose values differ from their defaults, for messages."""
-        defaults = HybridEPOptions()
-        return [flag(CONFIG_PREFIX + n) for n in OPTION_NAMES if getattr(self, n) != getattr(defaults, n)]
-
-    @property
-    def changes_dispatch(self) -> bool:
-        """Whether any option other than the implementation departs from stock behaviour."""
-        return any(f != flag(CONFIG_PREFIX + "implementation") for f in self.set_flags())
-
-
-# Config field of option `x`: `moe_hybridep_x` (flag `--moe-hybridep-x`).
-CONFIG_PREFIX = "moe_hybridep_"
-OPTION_NAMES: tuple[str, ...] = tuple(f.name for f in fields(HybridEPOptions))
-
-
-CAPACITY_FACTOR_FLAG = flag(CONFIG_PREFIX + "capacity_factor")
+# The moved pieces, imported back: the names the checks below use, and re-exports (marked noqa F401)
+# of those other modules and tests import from here (`from megatron_ext.options import ...`).
+from megatron_ext.graph_checks import (  # noqa: F401 (re-exported: config.py, recovery.py)
+    PER_LAYER_GRAPHS,
+    _check_graphs,
+    _local_graph_inputs_released,
+    drop_and_pad,
+    graph_impl,
+    graph_modules,
+    graphs_dropless_moe,
+    graphs_hold_dispatch,
+)
+from megatron_ext.implementation import (  # noqa: F401 (re-exported: dispatcher.py, buffers, bench, tests)
+    _AUTO_FALLBACKS_LOGGED,
+    DEEP_EP_DISPATCH_ARGUMENTS,
+    DEEP_EP_FP8_HIDDEN_MULTIPLE,
+    DEEP_EP_HIDDEN_MULTIPLE,
+    DEEP_EP_MIN_HIDDEN,
+    DEEP_EP_TESTED_COMMIT,
+    accepts_keyword,
+    deep_ep_import_error,
+    deep_ep_shape_error,
+    requested_implementation,
+    resolve_implementation,
+)
+from megatron_ext.option_fields import (  # noqa: F401 (re-exported: config.py, the buffers, the tools)
+    AUTO,
+    BUFFER_IMPLEMENTATIONS,
+    CAPACITY_FACTOR_FLAG,
+    COMPACT_ROUTING_FLAG,
+    CONFIG_PREFIX,
+    FP8_DISPATCH_FLAG,
+    IMPLEMENTATIONS,
+    OPTION_NAMES,
+    OVERFLOW_POLICIES,
+    TRANSPORTS,
+    HybridEPConfigError,
+    HybridEPOptions,
+    Implementation,
+    OverflowPolicy,
+    Transport,
+    flag,
+)
 
 
 def check_capacity_factor(factor: Any, name: str = CAPACITY_FACTOR_FLAG) -> float:
@@ -114,101 +89,9 @@ def capacity_factor_argument(text: str) -> float:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
-# What megatron-ext passes to `HybridEPBuffer.dispatch_with_permute` that hybrid-ep builds before
-# non-blocking dispatch (late 2025) lack; megatron-core 0.19 passes them too.
-DEEP_EP_DISPATCH_ARGUMENTS = ("num_permuted_tokens", "non_blocking", "pad_multiple")
-DEEP_EP_TESTED_COMMIT = "94a9f8f"
-
-
-def deep_ep_import_error() -> Optional[str]:
-    """None when `deep_ep.HybridEPBuffer` imports and its dispatch takes what megatron-ext passes,
-    else why not (imported lazily, here only)."""
-    try:
-        from deep_ep import HybridEPBuffer
-    except Exception as exc:  # ImportError, or a CUDA/driver error raised at import
-        return f"{type(exc).__name__}: {exc}"
-    missing = [
-        name
-        for name in DEEP_EP_DISPATCH_ARGUMENTS
-        if not accepts_keyword(HybridEPBuffer, "dispatch_with_permute", name)
-    ]
-    if missing:
-        return (
-            f"its dispatch_with_permute takes no {', '.join(missing)}: a hybrid-ep build older than megatron-ext "
-            f"needs (tested: hybrid-ep {DEEP_EP_TESTED_COMMIT})"
-        )
-    return None
-
-
-def accepts_keyword(cls: Any, method: str, argument: str) -> bool:
-    """Whether `cls.method` accepts `argument` by keyword (True where its signature cannot be read)."""
-    function = getattr(cls, method, None)
-    if function is None:
-        return False
-    try:
-        parameters = inspect.signature(function).parameters
-    except (TypeError, ValueError):  # a C++ binding without a readable signature
-        return True
-    return argument in parameters or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
-
-
-# deep_ep 1.2.1's HybridEPBuffer allocates, fp8 or not, a scaling-factor buffer of hidden // 128
-# floats per token; at a hidden size below 128 that is zero bytes, and its constructor aborts the
-# process (SIGABRT, no Python error; seen on an H200, 2026-12-01). Its config raises on a hidden
-# size that is not a multiple of 16.
-DEEP_EP_MIN_HIDDEN = 128
-DEEP_EP_HIDDEN_MULTIPLE = 16
-DEEP_EP_FP8_HIDDEN_MULTIPLE = 512  # deep_ep 1.2.1's fp8 dispatch kernels
-FP8_DISPATCH_FLAG = flag(CONFIG_PREFIX + "fp8_dispatch")
 FP8_DISPATCH_BLOCK = 128  # the values per scale of --moe-hybridep-fp8-dispatch (megatron_ext.hybridep.fp8)
 
 
-def deep_ep_shape_error(hidden_size: Optional[int], fp8_dispatch: bool = False) -> Optional[str]:
-    """None when deep_ep's HybridEPBuffer takes this hidden size (or it is not known), in fp8 where
-    `fp8_dispatch` (--moe-hybridep-fp8-dispatch), else why not."""
-    if hidden_size is None:
-        return None
-    if hidden_size < DEEP_EP_MIN_HIDDEN:
-        return (
-            f"hidden size {hidden_size} is below {DEEP_EP_MIN_HIDDEN}, where deep_ep's HybridEPBuffer "
-            "constructor aborts the process"
-        )
-    if hidden_size % DEEP_EP_HIDDEN_MULTIPLE:
-        return (
-            f"hidden size {hidden_size} is not a multiple of {DEEP_EP_HIDDEN_MULTIPLE}, as deep_ep's "
-            "HybridEPBuffer needs"
-        )
-    if fp8_dispatch and hidden_size % DEEP_EP_FP8_HIDDEN_MULTIPLE:
-        return (
-            f"hidden size {hidden_size} is not a multiple of {DEEP_EP_FP8_HIDDEN_MULTIPLE}, as deep_ep's fp8 "
-            f"dispatch ({FP8_DISPATCH_FLAG}) needs"
-        )
-    return None
-
-
-_AUTO_FALLBACKS_LOGGED: set[str] = set()
-
-
-def resolve_implementation(requested: str, hidden_size: Optional[int] = None, fp8_dispatch: bool = False) -> str:
-    """'deep_ep' or 'torch': 'auto' picks deep_ep where its HybridEPBuffer imports and takes
-    `hidden_size` (in fp8 where `fp8_dispatch`); where it imports but cannot take the size,
-    'torch', logged once per reason."""
-    if requested != AUTO:
-        return requested
-    if deep_ep_import_error() is not None:
-        return "torch"
-    reason = deep_ep_shape_error(hidden_size, fp8_dispatch)
-    if reason is None:
-        return "deep_ep"
-    if reason not in _AUTO_FALLBACKS_LOGGED:
-        _AUTO_FALLBACKS_LOGGED.add(reason)
-        logger.warning(
-            "megatron-ext: %s auto uses the torch implementation: %s.", flag(CONFIG_PREFIX + "implementation"), reason
-        )
-    return "torch"
-
-
-COMPACT_ROUTING_FLAG = flag(CONFIG_PREFIX + "compact_routing")
 KERNEL_CACHE_FLAG = flag(CONFIG_PREFIX + "kernel_cache")
 
 
@@ -255,163 +138,6 @@ def _check_fp8_dispatch(config: Any, options: HybridEPOptions) -> None:
             f"{FP8_DISPATCH_FLAG} with --hidden-size {hidden}: tokens are quantized in blocks of "
             f"{FP8_DISPATCH_BLOCK} values; use a hidden size that is a multiple of {FP8_DISPATCH_BLOCK}, or drop it."
         )
-
-
-def requested_implementation(options: HybridEPOptions) -> str:
-    """The implementation `options` ask for: `--moe-hybridep-implementation`, except that `auto`
-    with compact routing is torch (logged once): deep_ep 1.2.1's dispatch turns top-k indices into
-    the dense map before its own all-gather, so compact routing would save nothing there."""
-    if options.implementation != AUTO or not options.compact_routing:
-        return options.implementation
-    if COMPACT_ROUTING_FLAG not in _AUTO_FALLBACKS_LOGGED:
-        _AUTO_FALLBACKS_LOGGED.add(COMPACT_ROUTING_FLAG)
-        logger.info(
-            "megatron-ext: %s auto uses the torch implementation for %s (deep_ep's dispatch gathers the dense "
-            "routing map).",
-            flag(CONFIG_PREFIX + "implementation"),
-            COMPACT_ROUTING_FLAG,
-        )
-    return "torch"
-
-
-PER_LAYER_GRAPHS = ("local", "transformer_engine")
-
-
-def graph_modules(config: Any) -> set[str]:
-    """The names in `--cuda-graph-modules` (strings on a parsed namespace, enums on a config)."""
-    modules = getattr(config, "cuda_graph_modules", None) or []
-    if isinstance(modules, str):
-        modules = [modules]
-    return {getattr(module, "name", str(module)) for module in modules}
-
-
-def graph_impl(config: Any) -> str:
-    """`--cuda-graph-impl`, with Megatron's deprecated switches read as the implementation they mean."""
-    impl = getattr(config, "cuda_graph_impl", None) or "none"
-    if impl == "none" and getattr(config, "enable_cuda_graph", False):
-        return "local"
-    if impl == "none" and getattr(config, "external_cuda_graph", False):
-        return "transformer_engine"
-    return impl
-
-
-def graphs_hold_dispatch(config: Any) -> bool:
-    """Whether Megatron's CUDA graphs capture the MoE dispatch: the full iteration, or per-layer
-    graphs of the whole layer (no modules named) or of the `moe` module."""
-    impl = graph_impl(config)
-    if impl == "full_iteration":
-        return True
-    if impl not in PER_LAYER_GRAPHS:
-        return False
-    modules = graph_modules(config) - {"full"}  # 'full': Megatron's deprecated name of the whole layer
-    return not modules or "moe" in modules
-
-
-def drop_and_pad(config: Any) -> bool:
-    """Megatron's own token-dropping MoE, which its CUDA-graph checks allow in a graph."""
-    return getattr(config, "moe_expert_capacity_factor", None) is not None and bool(
-        getattr(config, "moe_pad_expert_input_to_capacity", False)
-    )
-
-
-def graphs_dropless_moe(config: Any) -> bool:
-    """Whether `config` graphs the `moe` module per layer with capacity mode and equal token counts:
-    the one dropless MoE a graph can hold, which Megatron's check (drop-and-pad only) refuses, so
-    `HybridEPTransformerConfig` passes it over for this case alone."""
-    options = HybridEPOptions.from_config(config)
-    return (
-        graph_impl(config) in PER_LAYER_GRAPHS
-        and "moe" in graph_modules(config)
-        and not drop_and_pad(config)
-        and options.capacity_factor is not None
-        and options.equal_token_counts
-    )
-
-
-def _check_graphs(config: Any, options: HybridEPOptions) -> None:
-    """Refuse CUDA-graph settings that cannot hold the MoE dispatch this config asks for."""
-    impl = graph_impl(config)
-    if impl in PER_LAYER_GRAPHS and {"moe", "moe_router"} <= graph_modules(config):
-        # Megatron's own check, which `HybridEPTransformerConfig` would not reach when it lifts the
-        # drop-and-pad one (it hides `moe` from Megatron's checks).
-        raise HybridEPConfigError(
-            "--cuda-graph-modules moe and moe_router: the first graphs the whole MoE layer, the second its "
-            "router alone; name one of them."
-        )
-    if impl in PER_LAYER_GRAPHS and "moe" in graph_modules(config) and not drop_and_pad(config):
-        if options.capacity_factor is None or not options.equal_token_counts:
-            raise HybridEPConfigError(
-                "--cuda-graph-modules moe graphs the whole MoE layer, which needs a layer that reads no token "
-                "count on the host: Megatron's drop-and-pad MoE (--moe-expert-capacity-factor with "
-                "--moe-pad-expert-input-to-capacity), or megatron-ext's capacity mode with equal token counts "
-                "(--moe-token-dispatcher-type flex --moe-flex-dispatcher-backend hybridep "
-                f"{CAPACITY_FACTOR_FLAG} 1.5 {flag(CONFIG_PREFIX + 'equal_token_counts')}). Add one, or graph "
-                "--cuda-graph-modules moe_router moe_preprocess instead."
-            )
-    uses_hybridep = (
-        getattr(config, "moe_token_dispatcher_type", None) == "flex"
-        and getattr(config, "moe_flex_dispatcher_backend", None) == "hybridep"
-    )
-    if not (uses_hybridep and options.set_flags() and graphs_hold_dispatch(config)):
-        return
-    where = f"--cuda-graph-impl {impl}" + (
-        f" --cuda-graph-modules {' '.join(sorted(graph_modules(config)))}" if graph_modules(config) else ""
-    )
-    equal = flag(CONFIG_PREFIX + "equal_token_counts")
-    if options.capacity_factor is None or not options.equal_token_counts:
-        raise HybridEPConfigError(
-            f"{where} captures the HybridEP dispatch, which reads the host unless it runs in capacity mode with "
-            f"equal token counts (a blocking dispatch reads its row count; the uneven-count pad all-reduces and "
-            f"reads). Set {CAPACITY_FACTOR_FLAG} 1.5 {equal} (fixed-shape batches), or drop the CUDA-graph flags."
-        )
-    if getattr(config, "cuda_graph_warmup_steps", 1) < 1:
-        raise HybridEPConfigError(
-            f"{where} with {CAPACITY_FACTOR_FLAG}: --cuda-graph-warmup-steps 0 would capture the first step, whose "
-            "calibration dispatch is blocking (it reads the host); use --cuda-graph-warmup-steps 1 or more."
-        )
-    timing = getattr(config, "timing_log_level", 0) or 0  # on a parsed namespace; no config field
-    if impl == "full_iteration" and timing >= 1:
-        raise HybridEPConfigError(
-            f"{where} with --timing-log-level {timing}: Megatron's timers of level 1 and up (forward-backward, "
-            "forward-compute, ...) synchronize the device inside the step that the graph captures, which CUDA "
-            "refuses at the first capture (cudaErrorStreamCaptureUnsupported; seen on an H200). Use "
-            "--timing-log-level 0 with full-iteration graphs, or time the eager capacity mode."
-        )
-    if impl == "local" and not graph_modules(config) and _local_graph_inputs_released(config):
-        raise HybridEPConfigError(
-            f"{where} with --transformer-impl local: with Transformer Engine installed, megatron-core 0.19.2 "
-            "releases a per-layer graph's input buffer unless a Python autograd function saved it for the "
-            "backward, and the local spec's torch norms (no apex) save it in C++: the first graphed layer's "
-            "input-norm weight then gets a wrong gradient (seen on an H200). Use --transformer-impl "
-            "transformer_engine, or graph --cuda-graph-modules moe, or --cuda-graph-impl full_iteration."
-        )
-    if impl == "transformer_engine" and options.overflow_policy == "rerun":
-        # Transformer Engine's graphs are made once, at the end of the warm-up steps, by a helper
-        # of Megatron's training loop that megatron-ext cannot call again after a capacity grows.
-        raise HybridEPConfigError(
-            f"{where} with {CAPACITY_FACTOR_FLAG}: {flag(CONFIG_PREFIX + 'overflow_policy')} rerun re-runs an "
-            "overflowed step eagerly with blocking dispatches and captures again at the new capacity, which "
-            "Transformer Engine's per-layer graphs cannot do in Megatron's loop. Use --cuda-graph-impl local or "
-            f"full_iteration (re-run and re-capture supported), or {flag(CONFIG_PREFIX + 'overflow_policy')} fail "
-            "(an overflow stops the job at the device assert inside the graph), or graph only --cuda-graph-modules "
-            "moe_router moe_preprocess (the dispatch stays eager)."
-        )
-
-
-def _local_graph_inputs_released(config: Any) -> bool:
-    """Whether Megatron's per-layer graphs would release a whole layer's input buffer that its norm
-    reads in the backward: its graph code weak-references graph inputs where Transformer Engine
-    imports, keeping those a Python `save_for_backward` saw; torch's native norms (the local spec's
-    `WrappedTorchNorm`, built without apex) save theirs in C++, unseen."""
-    if getattr(config, "transformer_impl", "transformer_engine") != "local":
-        return False
-    try:
-        from megatron.core.models.gpt import gpt_layer_specs
-        from megatron.core.transformer import cuda_graphs
-        from megatron.core.transformer.torch_norm import WrappedTorchNorm
-    except ImportError:  # nothing to graph with, or a Megatron-Core whose check names it
-        return False
-    return bool(cuda_graphs.HAVE_TE_GRAPHS) and gpt_layer_specs.LNImpl is WrappedTorchNorm
 
 
 # fp8 recipes whose grouped GEMM in Transformer Engine's op fuser takes the expert counts on the

@@ -271,6 +271,94 @@ def _say_capacities_are_relearned(managers: list[HybridEPCapacityManager]) -> No
         )
 
 
+class StepCheck:
+    """The capacity-mode layers' device counters, taken at a step's start and read at its end.
+
+    Made at the start: the overflow counts of the layers calibrated by then (one stacked copy: a
+    replayed graph adds to the counters themselves) and every layer's rows-used maxima zeroed.
+    `read` then reports, for the whole model in one all-reduce over every rank and the step's one
+    host read, whether any layer overflowed in the step, whether any used more than half its
+    headroom, and each layer's largest rows / capacity. It runs after the backward, while the GPU
+    waits for the host behind Megatron's own reads, so it launches a fixed handful of kernels
+    whatever the layer count (a launch per layer and counter would each be GPU idle time).
+    """
+
+    def __init__(self, managers: list[HybridEPCapacityManager]):
+        self.managers = managers
+        self.calibrated = [m for m in managers if m.counters is not None]
+        self._before = torch.stack([m.overflows for m in self.calibrated]) if self.calibrated else None
+        maxima = [t for m in self.calibrated for t in (m.counters.rows_used, m.counters.expert_rows_used)]
+        if maxima:
+            torch._foreach_zero_(maxima)
+
+    def read(self, layers: int) -> tuple[bool, bool, torch.Tensor]:
+        """(overflowed, thin headroom, uses): `uses[l - 1]` is layer l's largest rows / capacity on
+        any rank, on the device (0 for the layers no rank has calibrated). `layers`: the model's
+        numbered layers, the same on every rank whatever its pipeline stage."""
+        now = self.calibrated + [m for m in self.managers if m.counters is not None and m not in self.calibrated]
+        # Where the counters are (a group's backend takes its tensors there, as NCCL and gloo take CUDA
+        # tensors): copying each to another device first would read the GPU once per layer.
+        device = now[0].overflows.device if now else group_device()
+        flags = torch.zeros(2 + layers, dtype=torch.float32, device=device)  # [overflowed, thin, use of layer 1, ...]
+        if now:
+            counts = torch.stack([m.overflows for m in now])
+            if self._before is not None:  # a layer calibrated in this step: each of its overflows is new
+                counts[: len(self.calibrated)] -= self._before
+            rows = torch.stack([m.rows_used for m in now]).to(flags.dtype)
+            expert_rows = torch.stack([m.expert_rows_used for m in now]).to(flags.dtype)
+            limits = _limits(now, device)
+            thin = (rows > limits.rows_threshold) | (expert_rows > limits.expert_rows_threshold)
+            flags[:2] = torch.stack([(counts > 0).any(), thin.any()]).to(flags.dtype)
+            if limits.numbered is not None:
+                flags[2:].index_copy_(0, limits.positions, rows[limits.numbered] / limits.capacities)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        overflowed, thin = flags[:2].tolist()
+        return bool(overflowed), bool(thin), flags[2:]
+
+
+class _Limits:
+    """What `StepCheck.read` compares the counters with, as device tensors (one per manager, in order):
+    the rows and the largest expert's rows above which headroom is thin (inf: none), and for the
+    managers with a layer number and a capacity, their indices, positions (layer number - 1) and
+    capacities. Made once per set of host values and kept: they change with a growth only."""
+
+    def __init__(self, managers: list[HybridEPCapacityManager], device: torch.device):
+        def thresholds(of):
+            return _host_to_device([float("inf") if t is None else float(t) for t in map(of, managers)], device)
+
+        self.rows_threshold = thresholds(lambda m: m.headroom_threshold())
+        self.expert_rows_threshold = thresholds(lambda m: m.budget_headroom_threshold())
+        numbered = [i for i, m in enumerate(managers) if m.capacity and m.layer_number is not None]
+        self.numbered = self.positions = self.capacities = None
+        if numbered:
+            self.numbered = _host_to_device(numbered, device, torch.int64)
+            self.positions = _host_to_device([managers[i].layer_number - 1 for i in numbered], device, torch.int64)
+            self.capacities = _host_to_device([float(managers[i].capacity) for i in numbered], device)
+
+
+_LIMITS: dict[tuple, _Limits] = {}
+
+
+def _limits(managers: list[HybridEPCapacityManager], device: torch.device) -> _Limits:
+    key = (str(device),) + tuple(
+        (id(m), m.layer_number, m.capacity, m.headroom_threshold(), m.budget_headroom_threshold()) for m in managers
+    )
+    if key not in _LIMITS:
+        if len(_LIMITS) > 64:  # capacities that grew leave stale entries behind
+            _LIMITS.clear()
+        _LIMITS[key] = _Limits(managers, device)
+    return _LIMITS[key]
+
+
+def _host_to_device(values: list, device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """`values` as a tensor on `device`: through pinned memory to a GPU (an unpinned copy would wait
+    for the GPU's queue to drain)."""
+    tensor = torch.tensor(values, dtype=dtype)
+    if device.type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
+
+
 class OverflowRerun:
     """Megatron's `forward_backward_func`, re-run blocking when a capacity-mode dispatch overflowed."""
 
@@ -280,36 +368,6 @@ class OverflowRerun:
         self.resizes = 0  # steps after which thin headroom grew capacities
         self._first_step = True
         self._scaling: Optional[DelayedScalingState] = None
-
-    @staticmethod
-    def _check(
-        managers: list[HybridEPCapacityManager], overflows_before: list, layers: int
-    ) -> tuple[bool, bool, torch.Tensor]:
-        """(any rank's layer overflowed since `overflows_before` (copies of the counts, None for a
-        layer not yet calibrated), any rank's layer used more than half its headroom, each of the
-        model's `layers` layers' largest rows / capacity on any rank, on the device, by layer number
-        - 1): one all-reduce over every rank and the step's one host read."""
-        # Where the counters are (a group's backend may take them there, as NCCL and gloo take CUDA
-        # tensors): copying each to another device first would read the GPU once per layer.
-        device = next((m.overflows.device for m in managers if m.overflows is not None), None)
-        # [overflowed, thin, use of layer 1, ...]: the same length on every rank, whatever its stage
-        flags = torch.zeros(2 + layers, dtype=torch.float32, device=device or group_device())
-        for manager, before in zip(managers, overflows_before, strict=True):
-            if manager.overflows is not None:
-                new = manager.overflows if before is None else manager.overflows - before
-                flags[0] = torch.maximum(flags[0], (new.to(flags.device) > 0).to(flags.dtype))
-            for used, threshold in (
-                (manager.rows_used, manager.headroom_threshold()),
-                (manager.expert_rows_used, manager.budget_headroom_threshold()),
-            ):
-                if used is not None and threshold is not None:
-                    thin = (used.to(flags.device) > threshold).to(flags.dtype)
-                    flags[1] = torch.maximum(flags[1], thin)
-            if manager.rows_used is not None and manager.capacity and manager.layer_number is not None:
-                flags[1 + manager.layer_number] = manager.rows_used.to(flags.device, flags.dtype) / manager.capacity
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        overflowed, thin = flags[:2].tolist()
-        return bool(overflowed), bool(thin), flags[2:]
 
     def __getattr__(self, name: str) -> Any:  # what Megatron reads off the function it wrapped
         if name == "forward_backward_func":  # not set yet (a copy being built): no recursion
@@ -347,17 +405,14 @@ class OverflowRerun:
         self._scaling.keep()
         step_input = _replayable(kwargs.get("data_iterator"), kwargs["num_microbatches"])
         kwargs["data_iterator"] = step_input()
-        # Copies: a replayed graph adds to the same tensors.
-        overflows_before = [None if m.overflows is None else m.overflows.clone() for m in managers]
+        check = StepCheck(managers)
         per_layer_graphs = graph is None and _per_layer_graphs_hold_dispatch(model)
         for manager in managers:
             manager.record_overflow = True
-            manager.reset_rows_used()
         try:
             result = step(**kwargs)
-            overflowed, thin, uses = self._check(managers, overflows_before, numbered_layers(_config(model)))
-            calibrated = [m for m, before in zip(managers, overflows_before, strict=True) if before is not None]
-            _record_largest_use(calibrated, uses, kwargs["num_microbatches"])
+            overflowed, thin, uses = check.read(numbered_layers(_config(model)))
+            _record_largest_use(check.calibrated, uses, kwargs["num_microbatches"])
             if not overflowed:
                 if thin:  # grow before an overflow: the layers whose headroom is half used
                     used = [m for m in managers if m.rows_used is not None]

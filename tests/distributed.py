@@ -1,11 +1,14 @@
 """Run a function on W spawned ranks (one spawn, many cases): CPU ranks on gloo, one rank per GPU
-on NCCL, or ranks sharing a GPU on gloo (`megatron_ext.tooling.ranks.Placement`)."""
+on NCCL, or ranks sharing a GPU on gloo (`megatron_ext.tooling.ranks.Placement`); and a module of
+this repository in a child process."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import os
+import subprocess
+import sys
 import traceback
 from pathlib import Path
 
@@ -109,6 +112,22 @@ def outcome_test(checks):
         assert_ok(outcomes, check)
 
     return test
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def python_module(module: str, *args: str, timeout: float | None = None, env: dict | None = None):
+    """`python -m MODULE ARGS` in the repository root, its output captured as text (`env`: added
+    to this process's environment); the `subprocess.CompletedProcess`."""
+    return subprocess.run(
+        [sys.executable, "-m", module, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        env=None if env is None else {**os.environ, **env},
+    )
 
 
 def timed_out_output(stopped) -> str:

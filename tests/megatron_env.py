@@ -11,6 +11,7 @@ import torch
 from megatron_ext.bench.modes import FLEX  # noqa: F401 - the tests import it from here
 from megatron_ext.bench.stack import MOE_STACK_DEFAULTS
 from megatron_ext.tooling.cpu_ranks import use_cpu_ranks
+from tests.distributed import outcome_test, results_fixture
 
 
 def on_gpu() -> bool:
@@ -200,3 +201,10 @@ def run_megatron_checks(rank: int, world_size: int, out_dir: str, checks, args_o
     for check in checks:
         outcomes.run(check.__name__, check, rank, world_size, *args_of(check))
     outcomes.save(out_dir, rank)
+
+
+def megatron_check_tests(checks, world_sizes):
+    """A Megatron test module's `results` fixture (`checks` run by `run_megatron_checks` on spawned
+    gloo ranks, once per world size) and its test, one case per check. In a test module:
+    `results, test_x = megatron_check_tests(CHECKS, WORLD_SIZES)`."""
+    return results_fixture(run_megatron_checks, world_sizes, checks), outcome_test(checks)

@@ -514,10 +514,10 @@ def test_patched_parse_args_refuses_deep_ep_at_a_hidden_size_it_cannot_take(
 
 
 def test_auto_picks_torch_at_a_hidden_size_deep_ep_cannot_take(monkeypatch, caplog):
-    from megatron_ext import options
+    from megatron_ext import implementation, options
 
-    monkeypatch.setattr(options, "deep_ep_import_error", lambda: None)  # as where deep_ep imports
-    monkeypatch.setattr(options, "_AUTO_FALLBACKS_LOGGED", set())
+    monkeypatch.setattr(implementation, "deep_ep_import_error", lambda: None)  # as where deep_ep imports
+    monkeypatch.setattr(implementation, "_AUTO_FALLBACKS_LOGGED", set())
     assert options.resolve_implementation("auto", 4096) == "deep_ep"
     assert options.resolve_implementation("auto", None) == "deep_ep"
     with caplog.at_level(logging.WARNING, logger="megatron_ext.options"):
@@ -530,17 +530,17 @@ def test_auto_picks_torch_at_a_hidden_size_deep_ep_cannot_take(monkeypatch, capl
     assert options.resolve_implementation("auto", 1024, fp8_dispatch=True) == "deep_ep"
     assert options.resolve_implementation("auto", 384) == "deep_ep"
     assert options.resolve_implementation("auto", 384, fp8_dispatch=True) == "torch"
-    monkeypatch.setattr(options, "deep_ep_import_error", lambda: "ImportError: no deep_ep")
+    monkeypatch.setattr(implementation, "deep_ep_import_error", lambda: "ImportError: no deep_ep")
     assert options.resolve_implementation("auto", 4096) == "torch"
 
 
 def test_compact_routing_makes_auto_pick_torch(monkeypatch, caplog):
     """deep_ep's dispatch gathers the dense map whatever it is given: with compact routing, auto
     takes the torch implementation where it would take deep_ep, and says so once."""
-    from megatron_ext import dispatcher, options
+    from megatron_ext import dispatcher, implementation, options
 
-    monkeypatch.setattr(options, "deep_ep_import_error", lambda: None)  # as where deep_ep imports
-    monkeypatch.setattr(options, "_AUTO_FALLBACKS_LOGGED", set())
+    monkeypatch.setattr(implementation, "deep_ep_import_error", lambda: None)  # as where deep_ep imports
+    monkeypatch.setattr(implementation, "_AUTO_FALLBACKS_LOGGED", set())
     compact = options.HybridEPOptions(compact_routing=True)
     assert dispatcher.agreed_implementation(options.HybridEPOptions(), 4096, None) == "deep_ep"
     with caplog.at_level(logging.INFO, logger="megatron_ext.options"):

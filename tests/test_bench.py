@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ext.tooling.ranks import Placement
-from tests.distributed import run_ranks
+from tests.distributed import python_module, run_ranks
 
 WORLD, LAYERS, TOKENS, HIDDEN, EXPERTS, TOPK, STEPS, ROUNDS = 2, 2, 64, 32, 8, 2, 2, 2  # E / (2 top-k) = 2
 TINY = [
@@ -54,14 +54,7 @@ HAS_DEEP_EP = importlib.util.find_spec("deep_ep") is not None
 
 
 def _bench(*args, env=None, timeout=600):
-    return subprocess.run(
-        [sys.executable, "-m", "megatron_ext.bench", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=ROOT,
-        env={**os.environ, **(env or {})},
-    )
+    return python_module("megatron_ext.bench", *args, timeout=timeout, env=env)
 
 
 @pytest.fixture(scope="module")
@@ -123,6 +116,22 @@ def test_every_mode_runs_and_equals_blocking(full_run):
     assert "OK: outputs and gradients equal blocking's" in stdout
 
 
+def test_the_printed_table_has_a_row_per_mode_that_ran_and_a_line_per_reason_for_the_rest(full_run):
+    stdout, report, _ = full_run
+    lines = stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("mode "))
+    end = next(i for i in range(start, len(lines)) if not lines[i].strip() or lines[i].startswith("skipped: "))
+    rows = _parse_table("\n".join(lines[start:end]))
+    skipped = [m["name"] for m in report["modes"] if m["status"] == "skipped"]
+    assert skipped and set(GRAPH_MODES) <= set(skipped)  # CPU ranks: the JSON keeps every mode
+    assert list(rows) == [m["name"] for m in report["modes"] if m["status"] != "skipped"]
+    assert not any("skipped" in row.values() for row in rows.values())
+    reasons = " ".join(" ".join(lines[end:]).split()).split("skipped: ")[1:]  # lines wrap: whitespace collapsed
+    assert len(reasons) == len({m["detail"] for m in report["modes"] if m["status"] == "skipped"})
+    named = [name for line in reasons for name in line.split(" (", 1)[0].split(", ")]
+    assert sorted(named) == sorted(skipped)  # each skipped mode named once, beside its reason
+
+
 def test_the_printed_report_fits_120_columns(full_run):
     stdout, _, _ = full_run
     widest = max(stdout.splitlines(), key=len)
@@ -143,6 +152,43 @@ def test_host_syncs_and_all_reduces_per_step(full_run):
     # The overflow re-run policy: one all-reduce and one host read per step, at its end; none per layer.
     assert syncs["capacity+equal+rerun"] == 1 and reduces["capacity+equal+rerun"] == 1
     assert syncs["megatron"] > 0
+
+
+def test_the_modes_declared_host_free_are_those_whose_step_reads_nothing(full_run):
+    """The mode table's `host_free` (what the GPU tests expect of each mode) against the syncs
+    counted in every mode that ran here."""
+    from megatron_ext.bench.modes import all_modes
+
+    _, report, _ = full_run
+    declared = {m.name: m.host_free for m in all_modes(1.5)}
+    ran = [m for m in report["modes"] if m["status"] == "ok"]
+    assert set(OUR_MODES) <= {m["name"] for m in ran}
+    for mode in ran:
+        assert (mode["host_syncs_per_step"] == 0) is declared[mode["name"]], (mode["name"], mode["sync_examples"])
+
+
+@pytest.mark.parametrize("recipe", [None, "delayed", "tensorwise", "blockwise"])
+def test_host_free_follows_each_modes_options(recipe):
+    """Host-free: capacity mode with equal counts declared, no pad, no re-run policy (it reads one
+    flag at the step's end), and experts that take device counts or host-constant budgets
+    (TEGroupedMLP alone reads its counts on the host). A graph replays a host-free step."""
+    from megatron_ext.bench.modes import all_modes
+
+    modes = all_modes(1.5, recipe)
+    for mode in modes:
+        options = mode.overrides
+        expected = (
+            options.get("moe_hybridep_capacity_factor") is not None
+            and options.get("moe_hybridep_equal_token_counts", False)
+            and not options.get("moe_hybridep_pad_uneven_dispatch_inputs", False)
+            and not mode.overflow_rerun
+            and (mode.experts != "te" or options.get("moe_hybridep_static_expert_splits", False))
+        )
+        assert mode.host_free is expected, mode.name
+        assert mode.host_free or not mode.graph, mode.name
+    capacity_equal = [m.name for m in modes if m.name.startswith(("capacity+equal", "deep_ep+capacity+equal"))]
+    reading = [n for n in capacity_equal if not {m.name: m for m in modes}[n].host_free]
+    assert reading == ["capacity+equal+rerun", "deep_ep+capacity+equal+reuse+rerun"]
 
 
 def test_capacity_modes_dispatch_non_blocking_after_calibration(full_run):
@@ -439,20 +485,12 @@ def test_runahead_counts_the_dispatches_the_host_passed_while_the_gpu_slept(monk
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")
 def test_kernel_counter_refuses_without_a_gpu():
-    result = subprocess.run(
-        [sys.executable, "-m", "megatron_ext.bench.kernels", "--layers", "2"], capture_output=True, text=True, cwd=ROOT
-    )
+    result = python_module("megatron_ext.bench.kernels", "--layers", "2")
     assert result.returncode == 2 and "needs a CUDA GPU" in result.stderr, result.stderr
 
 
 def test_profile_refuses_a_capacity_factor_below_one():
-    result = subprocess.run(
-        [sys.executable, "-m", "megatron_ext.bench.profile", "--capacity-factor", "0.5"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=ROOT,
-    )
+    result = python_module("megatron_ext.bench.profile", "--capacity-factor", "0.5", timeout=120)
     assert result.returncode == 2 and "--capacity-factor 0.5 would drop tokens" in result.stderr, result.stderr
 
 
@@ -749,49 +787,24 @@ def test_rounds_and_ranks_keep_the_worst_error_and_where_it_is():
     from megatron_ext.bench.modes import select
     from megatron_ext.bench.run import ModeResult
 
-    first = ModeResult(
-        "m",
-        max_rel_error=0.02,
-        worst_error_at="step 1, output",
-        step_rel_errors=[0.02, 0.01],
-        tensor_rel_errors={"output": 0.02, "input gradient": 0.01},
-    )
-    first.merge(
-        ModeResult(
-            "m",
-            max_rel_error=0.05,
-            worst_error_at="step 2, input gradient",
-            step_rel_errors=[0.0, 0.05],
-            tensor_rel_errors={"input gradient": 0.05},
-        )
-    )
+    def errors(largest, at, steps=(), tensors=None):
+        return ModeResult("m", max_rel_error=largest, worst_error_at=at, step_rel_errors=list(steps),
+                          tensor_rel_errors=tensors or {})  # fmt: skip
+
+    def worst(result):
+        return (result["max_rel_error"], result["worst_error_at"], result["step_rel_errors"])
+
+    first = errors(0.02, "step 1, output", [0.02, 0.01], {"output": 0.02, "input gradient": 0.01})
+    first.merge(errors(0.05, "step 2, input gradient", [0.0, 0.05], {"input gradient": 0.05}))
     assert first.tensor_rel_errors == {"output": 0.02, "input gradient": 0.05}
-    assert (first.max_rel_error, first.worst_error_at, first.step_rel_errors) == (
-        0.05,
-        "step 2, input gradient",
-        [0.02, 0.05],
-    )
-    first.merge(ModeResult("m", max_rel_error=0.03, worst_error_at="step 1, output"))  # a later round: kept
-    assert (first.max_rel_error, first.worst_error_at, first.step_rel_errors) == (
-        0.05,
-        "step 2, input gradient",
-        [0.02, 0.05],
-    )
+    assert worst(first.to_dict()) == (0.05, "step 2, input gradient", [0.02, 0.05])
+    first.merge(errors(0.03, "step 1, output"))  # a later round: kept
+    assert worst(first.to_dict()) == (0.05, "step 2, input gradient", [0.02, 0.05])
     mode = select(["capacity+equal"], 1.5)[1]
-    other = ModeResult(
-        "m",
-        max_rel_error=0.08,
-        worst_error_at="step 1, gradient of w",
-        step_rel_errors=[0.08, 0.01],
-        tensor_rel_errors={"gradient of w": 0.08, "output": 0.01},
-    )
+    other = errors(0.08, "step 1, gradient of w", [0.08, 0.01], {"gradient of w": 0.08, "output": 0.01})
     row = report.aggregate(mode, [first.to_dict(), other.to_dict()])
     assert row["tensor_rel_errors"] == {"output": 0.02, "input gradient": 0.05, "gradient of w": 0.08}
-    assert (row["max_rel_error"], row["worst_error_at"], row["step_rel_errors"]) == (
-        0.08,
-        "step 1, gradient of w",
-        [0.08, 0.05],
-    )
+    assert worst(row) == (0.08, "step 1, gradient of w", [0.08, 0.05])
 
 
 def test_a_graph_modes_step_is_the_replay():
@@ -991,6 +1004,9 @@ def test_the_default_table_fits_120_columns_and_wide_has_every_column(cuda, roun
     assert len(widest) <= 120, widest
     shown, everything = _parse_table(default), _parse_table(wide)
     assert LONGEST in shown and shown["capacity+equal+check"]["vs blocking"] == "differs 5e-01"  # names whole
+    ran = [r["name"] for r in rows if r["status"] != "skipped"]
+    assert list(shown) == ran and list(everything) == ran  # TE's modes, skipped on CPU: no row
+    assert ("megatron+te" in shown) is cuda
     assert shown["megatron"]["vs blocking"] == "close 1e-02"
     headers, wide_headers = list(shown["blocking"]), list(everything["blocking"])
     assert headers[:3] == ["mode", "vs blocking", "step ms"] and "syncs" in headers

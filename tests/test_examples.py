@@ -38,6 +38,8 @@ SLURM = {"SLURM_NNODES": "3", "SLURM_JOB_NODELIST": "node[01-03]", "SLURM_JOB_ID
 DRY_RUNS = {
     "smoke": ("smoke_1gpu.sh", {}, []),
     "smoke-blocking": ("smoke_1gpu.sh", {"MODE": "blocking"}, []),
+    "smoke-stock": ("smoke_1gpu.sh", {"MODE": "stock"}, []),
+    "smoke-stock-hybridep": ("smoke_1gpu.sh", {"MODE": "stock-hybridep"}, []),
     "smoke-no-kernel-cache": ("smoke_1gpu.sh", {"KERNEL_CACHE": ""}, []),
     "smoke-fp16": ("smoke_1gpu.sh", {"PRECISION": "fp16", "MODE": "blocking"}, []),
     # capacity mode's own experts compute in bf16 on a GPU: refused when parsed
@@ -233,6 +235,22 @@ def test_smoke_blocking_dry_run_differs_only_in_capacity_mode(dry_runs):
     # Everything else is the same run, experts included, so the losses can be compared.
     differing = {name for name in capacity.keys() | blocking.keys() if capacity.get(name) != blocking.get(name)}
     assert differing == {FACTOR, EQUAL, "capacity mode"}
+
+
+def test_smoke_stock_dry_run_is_megatrons_all_to_all_with_the_same_model(dry_runs):
+    capacity = dry_run_report(dry_runs, "smoke")
+    stock = dry_run_report(dry_runs, "smoke-stock")
+
+    assert stock["dispatcher"] == "alltoall"
+    assert (stock[FACTOR], stock[EQUAL], stock[REUSE], stock["capacity mode"]) == ("None", "False", "False", "off")
+    assert stock["--moe-hybridep-kernel-cache"] == "None"  # no deep_ep kernels to keep
+    # The same model and experts otherwise, so the loop's figures compare like for like.
+    for name in ("layers", "hidden size", "experts", "top-k", "experts built", "params dtype", "layer spec"):
+        assert stock[name] == capacity[name], name
+    # Megatron's own HybridEP flex dispatcher: none of megatron-ext's flags set.
+    hybridep = dry_run_report(dry_runs, "smoke-stock-hybridep")
+    assert (hybridep["dispatcher"], hybridep["flex backend"]) == ("flex", "hybridep")
+    assert (hybridep[FACTOR], hybridep[EQUAL], hybridep[REUSE]) == ("None", "False", "False")
 
 
 def test_ep8_dry_run(dry_runs):

@@ -107,8 +107,6 @@ def test_too_small_capacity_stops_on_the_device():
 
 # ------------------------------------------------------------------ every mode of the bench
 
-SYNC_FREE = ("capacity+equal", "capacity+equal+check", "capacity+equal+reuse")
-
 
 def _modes():
     from megatron_ext.bench.modes import BLOCKING, all_modes
@@ -146,9 +144,9 @@ def _relative_error(a, b):
 @pytest.mark.parametrize("mode", _modes(), ids=lambda m: m.name)
 def test_every_mode_against_blocking_with_its_syncs_and_runahead(megatron, mode):
     """Outputs, input and parameter gradients of 4 steps (fresh inputs; the first calibrates) against
-    blocking: bitwise for megatron-ext's modes, within bf16 rounding for stock Megatron. Modes that
-    declare equal counts run their later steps under the sync guard and run ahead of a sleeping
-    GPU; the others make the host wait."""
+    blocking: bitwise for megatron-ext's modes, within bf16 rounding for stock Megatron. The modes
+    the mode table declares host-free run their later steps under the sync guard and run ahead of a
+    sleeping GPU; the others make the host wait."""
     from megatron_ext.tooling.sync import count_host_syncs, forbid_host_sync, runahead_probe
 
     blocking = _summed(FLEX)
@@ -158,7 +156,7 @@ def test_every_mode_against_blocking_with_its_syncs_and_runahead(megatron, mode)
     wrap = lambda layer, x: layer(x)  # noqa: E731
     expected = run_steps(blocking, inputs, wrap)
     actual = run_steps(stack, inputs[:1], wrap)
-    if mode.name in SYNC_FREE:
+    if mode.host_free:
         with forbid_host_sync():
             actual += run_steps(stack, inputs[1:], wrap)
     else:
@@ -176,4 +174,4 @@ def test_every_mode_against_blocking_with_its_syncs_and_runahead(megatron, mode)
                 assert error <= 3e-2, f"{mode.name} step {step}: {what} relative error {error:.3g}"
     probe = runahead_probe(lambda: run_steps(stack, inputs[:1], wrap))
     print(f"\n{mode.name}: {probe}")
-    assert probe.waited == (mode.name not in SYNC_FREE), probe
+    assert probe.waited == (not mode.host_free), probe

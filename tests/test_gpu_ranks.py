@@ -30,8 +30,6 @@ import argparse
 import json
 import os
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -40,11 +38,10 @@ from tests import test_moe_layer as moe
 from tests import test_recovery as recovery
 from tests import test_static_splits as static_splits
 from tests import test_torch_buffer as buffer
-from tests.distributed import assert_ok, merged_results, timed_out_output
+from tests.distributed import assert_ok, merged_results, python_module, timed_out_output
 
 pytestmark = pytest.mark.gpu
 
-ROOT = Path(__file__).resolve().parent.parent
 # The whole module at 4 ranks on one H200 took 3 minutes (2026-12-03); a hang fails after this.
 DEADLINE_S = float(os.environ.get("MEGATRON_EXT_TEST_CHILD_TIMEOUT", "600"))
 
@@ -128,13 +125,7 @@ def _suites_worker(rank, world, out_dir, kind) -> None:
 def _run_child(args: list[str], what: str) -> subprocess.CompletedProcess:
     """`python -m tests.test_gpu_ranks ARGS` in the repository root, ended at the deadline."""
     try:
-        return subprocess.run(
-            [sys.executable, "-m", "tests.test_gpu_ranks", *args],
-            capture_output=True,
-            text=True,
-            timeout=DEADLINE_S,
-            cwd=ROOT,
-        )
+        return python_module("tests.test_gpu_ranks", *args, timeout=DEADLINE_S)
     except subprocess.TimeoutExpired as stopped:
         output = timed_out_output(stopped)
         raise AssertionError(f"{what}: not ended after {DEADLINE_S:.0f} s (a hang?):\n{output[-6000:]}") from None

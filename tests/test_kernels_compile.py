@@ -17,19 +17,23 @@ import pytest
 import torch
 
 from megatron_ext import fused
+from megatron_ext.fused import activation as fused_activation
+from megatron_ext.fused import layout as fused_layout
+from megatron_ext.fused import rows as fused_rows
 
 pytestmark = pytest.mark.skipif(
     fused.triton is None or os.environ.get("TRITON_INTERPRET") == "1",
     reason="needs Triton's compiler (not its interpreter)",
 )
 
-KERNELS = (
-    "_activation_probs_kernel",
-    "_gather_rows_kernel",
-    "_block_counts_kernel",
-    "_layout_kernel",
-    "_sum_rows_per_slot_kernel",
-)
+# Each kernel by the module of `megatron_ext.fused` that defines (and launches) it.
+KERNELS = {
+    "_activation_probs_kernel": fused_activation,
+    "_gather_rows_kernel": fused_rows,
+    "_block_counts_kernel": fused_layout,
+    "_layout_kernel": fused_layout,
+    "_sum_rows_per_slot_kernel": fused_rows,
+}
 POINTER_TYPES = {
     torch.bfloat16: "*bf16",
     torch.float16: "*fp16",
@@ -119,14 +123,19 @@ def _call_every_wrapper():
 def _recorded_launches(monkeypatch) -> list:
     launches = []
     for name in KERNELS:
-        monkeypatch.setattr(fused, name, _Recorder(getattr(fused, name), launches))
+        monkeypatch.setattr(KERNELS[name], name, _Recorder(getattr(KERNELS[name], name), launches))
     _call_every_wrapper()
     return launches
 
 
 def test_every_kernel_is_launched_by_the_calls(monkeypatch):
-    """The calls reach every kernel of fused.py (a new kernel must join KERNELS and _call_every_wrapper)."""
-    jitted = {name for name, value in vars(fused).items() if type(value).__name__ == "JITFunction"}
+    """The calls reach every kernel of megatron_ext.fused (a new kernel must join KERNELS and _call_every_wrapper)."""
+    jitted = {
+        name
+        for module in (fused_activation, fused_layout, fused_rows)
+        for name, value in vars(module).items()
+        if type(value).__name__ == "JITFunction"
+    }
     assert jitted - {"_activate", "_activate_grad"} == set(KERNELS)
     launched = {kernel.fn.__name__ for kernel, _, _ in _recorded_launches(monkeypatch)}
     assert launched == set(KERNELS)

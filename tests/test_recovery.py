@@ -11,8 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed import outcome_test, results_fixture
-from tests.megatron_env import FLEX, copy_weights, make_config, moe_layer, on_gpu, run_megatron_checks, step_inputs
+from tests.megatron_env import FLEX, copy_weights, make_config, megatron_check_tests, moe_layer, on_gpu, step_inputs
 
 HIDDEN = 16
 WORLD_SIZES = (1, 2)
@@ -319,8 +318,8 @@ def counters_are_written_in_place_and_nothing_keeps_autograd_history(rank, world
 def host_work_under_capture_is_refused_by_name(rank, world):
     """During a CUDA graph capture a blocking dispatch (calibration), growing the capacity and the
     uneven-count pad raise GraphCaptureError saying why; a calibrated layer's dispatch runs. (No GPU
-    here: the capture is simulated by `dispatcher.capturing`, the one place the manager asks.)"""
-    from megatron_ext import dispatcher
+    here: the capture is simulated by `capacity_policy.capturing`, the one place the refusals ask.)"""
+    from megatron_ext import capacity_policy as dispatcher
     from megatron_ext.dispatcher import GraphCaptureError
 
     layer, _, manager = _layers(world, moe_hybridep_equal_token_counts=True)
@@ -561,10 +560,7 @@ CHECKS = (
 )
 
 
-results = results_fixture(run_megatron_checks, WORLD_SIZES, CHECKS)
-
-
-test_recovery = outcome_test(CHECKS)
+results, test_recovery = megatron_check_tests(CHECKS, WORLD_SIZES)
 
 
 def test_the_patch_wraps_the_schedule_of_megatrons_training_loop():
@@ -712,3 +708,86 @@ def test_the_moe_metrics_report_names_capacity_use_in_capacity_mode(on, monkeypa
     ours = [CAPACITY_USE_METRIC, CAPACITY_USE_MAX_METRIC]
     expected = ["load_balancing_loss", *ours] if on else ["load_balancing_loss"]
     assert seen == [expected, None]
+
+
+class _Counted(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the operators run under it (each a kernel launch on a GPU)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+class _Layer:
+    """What StepCheck reads of a capacity-mode dispatch manager."""
+
+    def __init__(self, number: int, capacity: int, calibrated_rows: int):
+        from megatron_ext.dispatcher import DeviceCounters
+
+        self.counters = DeviceCounters.zeros(torch.device("cpu"))
+        self.layer_number, self.capacity, self.calibrated_rows = number, capacity, calibrated_rows
+
+    overflows = property(lambda self: self.counters.overflows)
+    rows_used = property(lambda self: self.counters.rows_used)
+    expert_rows_used = property(lambda self: self.counters.expert_rows_used)
+
+    def headroom_threshold(self):
+        return self.calibrated_rows + (self.capacity - self.calibrated_rows) // 2
+
+    def budget_headroom_threshold(self):
+        return None
+
+
+def _step_check(layers: list, model_layers: int):
+    from megatron_ext.recovery import StepCheck
+
+    check = StepCheck(layers)
+    for layer in layers:  # a step: each layer's rows, and layer 2 overflows
+        layer.counters.rows_used.fill_(10 * layer.layer_number)
+        layer.counters.overflows.add_(1 if layer.layer_number == 2 else 0)
+    return check.read(model_layers)
+
+
+def _checked_step(count: int) -> tuple[int, tuple]:
+    """The operators one StepCheck (made and read) runs for `count` layers, and what it read."""
+    # Layer n (numbered 2n, one stage of a model of 2 x count layers) had an overflow before the step.
+    layers = [_Layer(2 * n, capacity=100 * n, calibrated_rows=50 * n) for n in range(1, count + 1)]
+    for layer in layers:
+        layer.counters.overflows.fill_(3)
+    _step_check(layers, 2 * count)  # makes the limits' device tensors, kept for later steps
+    for layer in layers:
+        layer.counters.overflows.fill_(3)
+    with _Counted() as counted:
+        read = _step_check(layers, 2 * count)
+    return counted.ops - 2 * count, read  # less the stand-in step's fill_ and add_ per layer
+
+
+def test_the_step_check_reads_every_layer_in_a_fixed_number_of_launches(monkeypatch):
+    monkeypatch.setattr(torch.distributed, "all_reduce", lambda tensor, op=None, group=None: None)  # one rank
+    few, (overflowed, thin, uses) = _checked_step(2)
+    many, (overflowed_8, thin_8, uses_8) = _checked_step(8)
+    assert few == many, "the step check's launches must not grow with the layer count"
+    # Only layer 2's count grew in the step; layer 2n filled 20n of 100n rows (threshold 75n): not thin.
+    assert overflowed and overflowed_8 and not thin and not thin_8
+    for count, got in ((2, uses), (8, uses_8)):
+        expected = torch.zeros(2 * count)
+        expected[1::2] = 0.2  # layer 2n: 20n rows of 100n; odd-numbered layers are another stage's
+        torch.testing.assert_close(got, expected)
+
+
+def test_the_step_check_sees_thin_headroom_and_counts_before_the_step_as_old(monkeypatch):
+    monkeypatch.setattr(torch.distributed, "all_reduce", lambda tensor, op=None, group=None: None)
+    layers = [_Layer(1, capacity=100, calibrated_rows=50), _Layer(2, capacity=100, calibrated_rows=10)]
+    layers[1].counters.overflows.fill_(5)  # overflowed in an earlier step: not this one's
+    overflowed, thin, _ = _step_check(layers[:1] + [_Layer(3, 100, 90)], 3)
+    assert not overflowed and not thin  # layer 3 filled 30 rows, below its 95
+    from megatron_ext.recovery import StepCheck
+
+    check = StepCheck(layers)
+    layers[1].counters.rows_used.fill_(56)  # above 10 + 90 // 2 = 55
+    assert check.read(2)[1]
+    assert not check.read(2)[0]

@@ -16,8 +16,7 @@ import torch.distributed as dist
 
 from megatron_ext import budget as budgets
 from megatron_ext.capacity import budget_from_rows
-from tests.distributed import outcome_test, results_fixture
-from tests.megatron_env import FLEX, copy_weights, make_config, moe_layer, run_megatron_checks, run_steps, step_inputs
+from tests.megatron_env import FLEX, copy_weights, make_config, megatron_check_tests, moe_layer, run_steps, step_inputs
 
 WORLD_SIZES = (1, 2, 4)
 HIDDEN = 16
@@ -201,10 +200,7 @@ CHECKS = [
 ]
 
 
-results = results_fixture(run_megatron_checks, WORLD_SIZES, CHECKS)
-
-
-test_static_expert_splits = outcome_test(CHECKS)
+results, test_static_expert_splits = megatron_check_tests(CHECKS, WORLD_SIZES)
 
 
 # --------------------------------------------------------------------------- the flag's checks

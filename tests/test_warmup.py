@@ -7,14 +7,13 @@ import types
 
 import pytest
 
-from tests.distributed import outcome_test, results_fixture
 from tests.megatron_env import (
     FLEX,
     assert_same_steps,
     copy_weights,
     make_config,
+    megatron_check_tests,
     moe_layer,
-    run_megatron_checks,
     run_steps,
     step_inputs,
 )
@@ -165,12 +164,7 @@ CHECKS = (
 )
 
 
-def _worker(rank, world, out_dir):
-    run_megatron_checks(rank, world, out_dir, CHECKS)
-
-
-results = results_fixture(_worker, WORLD_SIZES)
-test_warmup = outcome_test(CHECKS)
+results, test_warmup = megatron_check_tests(CHECKS, WORLD_SIZES)
 
 
 def test_the_training_patch_warms_up_before_megatrons_train(monkeypatch):

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 import torch
 
 from megatron_ext.bench.sizes import SIZES
+from megatron_ext.tooling.timing import cuda_ms
 
 
 def parser(module: str, doc: str) -> argparse.ArgumentParser:
@@ -22,19 +22,9 @@ def parser(module: str, doc: str) -> argparse.ArgumentParser:
 
 
 def time_ms(fn, iters: int, warmup: int = 3) -> float:
-    """The median of `iters` timed calls of `fn` (CUDA events, after `warmup` calls), in ms."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    """The median of `iters` timed calls of `fn` (CUDA events, after `warmup` calls), in ms; each
+    call alone, as a layer's kernels run between other work."""
+    return cuda_ms(fn, iters, warmup, each_alone=True)
 
 
 def write_json(path: str | None, results: list[dict]) -> None:

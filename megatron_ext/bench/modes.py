@@ -32,6 +32,12 @@ class Mode:
     reference: the mode whose results this one's are checked against (`blocking`, or the fp8
     modes' own blocking twin: fp8 and bf16 results differ by more than any summation order).
     fp8_recipe: Megatron's `--fp8-recipe` of an fp8 mode (None: the stack's dtype throughout).
+    host_free: after its first step (capacity mode's calibration), a step reads nothing on the host:
+    no host sync, so the host runs ahead of a busy GPU. Capacity mode with equal token counts
+    declared, without the overflow re-run policy's end-of-step read, and with experts that take
+    their counts on the device or as host constants (not TEGroupedMLP without static splits).
+    What the tests expect of each mode (syncs forbidden or counted, the run-ahead verdict) comes
+    from here.
     graph: after two eager steps (capacity mode's blocking calibration, then the non-blocking path,
     which compiles its kernels), the bench captures one whole forward+backward step in a CUDA graph
     and replays it for every step it checks, counts and times (`megatron_ext.bench.graphed`): what
@@ -49,6 +55,7 @@ class Mode:
     graph: bool = False
     reference: str = "blocking"
     fp8_recipe: str | None = None
+    host_free: bool = False
 
     @property
     def needs_te(self) -> bool:
@@ -98,7 +105,7 @@ def fp8_modes(capacity_factor: float, recipe: str) -> tuple[Mode, ...]:
     torch_impl = dict(FLEX, moe_hybridep_implementation="torch", use_transformer_engine_op_fuser=True, **fp8)
     capacity_flags = (*flex, f"--moe-hybridep-capacity-factor {capacity_factor}", "--moe-hybridep-equal-token-counts")
     capacity = dict(moe_hybridep_capacity_factor=capacity_factor, moe_hybridep_equal_token_counts=True)
-    checked = dict(equality="close", reference=FP8_REFERENCE, fp8_recipe=recipe)
+    checked = dict(equality="close", reference=FP8_REFERENCE, fp8_recipe=recipe, host_free=True)
     # The reference runs the experts of the capacity modes checked against it: TE's op-fuser ones,
     # or for a recipe they cannot take in capacity mode, TEGroupedMLP, which static splits feed
     # (like against like: TE's op fuser quantizes such a recipe its own way).
@@ -164,6 +171,23 @@ def all_modes(capacity_factor: float, fp8_recipe: str | None = None) -> tuple[Mo
     torch_impl = dict(FLEX, moe_hybridep_implementation="torch")
     flex_flags = ("--moe-token-dispatcher-type flex", "--moe-flex-dispatcher-backend hybridep")
     factor_flag = f"--moe-hybridep-capacity-factor {capacity_factor}"
+
+    def capacity_equal(name, summary, flags=(), overrides=None, implementation="torch", host_free=True, **mode):
+        """Capacity mode with equal token counts declared on `implementation` (its flag listed for
+        deep_ep only, as a torch mode's flags never listed it), plus `flags` and `overrides`:
+        host-free unless said otherwise."""
+        named = () if implementation == "torch" else (f"--moe-hybridep-implementation {implementation}",)
+        return Mode(
+            name,
+            summary,
+            (*flex_flags, *named, factor_flag, "--moe-hybridep-equal-token-counts", *flags),
+            dict(FLEX, moe_hybridep_implementation=implementation, **factor, **equal, **(overrides or {})),
+            host_free=host_free,
+            **mode,
+        )
+
+    reuse = ("--moe-hybridep-reuse-allgather-buffer",), dict(moe_hybridep_reuse_allgather_buffer=True)
+    rerun = ("--moe-hybridep-overflow-policy rerun",), dict(moe_hybridep_overflow_policy="rerun")
     modes = (
         Mode(
             STOCK,
@@ -184,30 +208,20 @@ def all_modes(capacity_factor: float, fp8_recipe: str | None = None) -> tuple[Mo
             (*flex_flags, factor_flag, "--moe-hybridep-pad-uneven-dispatch-inputs"),
             dict(torch_impl, **factor, moe_hybridep_pad_uneven_dispatch_inputs=True),
         ),
-        Mode(
-            "capacity+equal",
-            "capacity mode, equal token counts declared (no all-reduce)",
-            (*flex_flags, factor_flag, "--moe-hybridep-equal-token-counts"),
-            dict(torch_impl, **factor, **equal),
-        ),
-        Mode(
+        capacity_equal("capacity+equal", "capacity mode, equal token counts declared (no all-reduce)"),
+        capacity_equal(
             "capacity+equal+check",
             "as capacity+equal, the declaration checked on the device (one small all-reduce)",
-            (*flex_flags, factor_flag, "--moe-hybridep-equal-token-counts", "--moe-hybridep-verify-equal-token-counts"),
-            dict(torch_impl, **factor, **equal, moe_hybridep_verify_equal_token_counts=True),
+            ("--moe-hybridep-verify-equal-token-counts",),
+            dict(moe_hybridep_verify_equal_token_counts=True),
         ),
-        Mode(
-            "capacity+equal+reuse",
-            "as capacity+equal, routing maps gathered into a reused buffer",
-            (*flex_flags, factor_flag, "--moe-hybridep-equal-token-counts", "--moe-hybridep-reuse-allgather-buffer"),
-            dict(torch_impl, **factor, **equal, moe_hybridep_reuse_allgather_buffer=True),
-        ),
-        Mode(
+        capacity_equal("capacity+equal+reuse", "as capacity+equal, routing maps gathered into a reused buffer", *reuse),
+        capacity_equal(
             "capacity+equal+rerun",
             "as capacity+equal, each step through the overflow re-run policy (Megatron's training loop)",
-            (*flex_flags, factor_flag, "--moe-hybridep-equal-token-counts", "--moe-hybridep-overflow-policy rerun"),
-            dict(torch_impl, **factor, **equal, moe_hybridep_overflow_policy="rerun"),
+            *rerun,
             overflow_rerun=True,
+            host_free=False,  # the policy's check at the step's end: one all-reduce, one host read
         ),
         Mode(
             "blocking+compact",
@@ -215,23 +229,11 @@ def all_modes(capacity_factor: float, fp8_recipe: str | None = None) -> tuple[Mo
             (*flex_flags, "--moe-hybridep-implementation torch", COMPACT_ROUTING_FLAG),
             dict(torch_impl, moe_hybridep_compact_routing=True),
         ),
-        Mode(
+        capacity_equal(
             "capacity+equal+reuse+compact",
             "as capacity+equal+reuse, routing maps gathered as top-k expert indices (compact routing)",
-            (
-                *flex_flags,
-                factor_flag,
-                "--moe-hybridep-equal-token-counts",
-                "--moe-hybridep-reuse-allgather-buffer",
-                COMPACT_ROUTING_FLAG,
-            ),
-            dict(
-                torch_impl,
-                **factor,
-                **equal,
-                moe_hybridep_reuse_allgather_buffer=True,
-                moe_hybridep_compact_routing=True,
-            ),
+            (*reuse[0], COMPACT_ROUTING_FLAG),
+            dict(reuse[1], moe_hybridep_compact_routing=True),
         ),
         Mode(
             "deep_ep",
@@ -241,44 +243,24 @@ def all_modes(capacity_factor: float, fp8_recipe: str | None = None) -> tuple[Mo
             equality="close",
             needs_deep_ep=True,
         ),
-        Mode(
+        capacity_equal(
             "deep_ep+capacity+equal+reuse",
             "megatron-ext's capacity mode, equal counts and reuse on deep_ep's kernels",
-            (
-                *flex_flags,
-                "--moe-hybridep-implementation deep_ep",
-                factor_flag,
-                "--moe-hybridep-equal-token-counts",
-                "--moe-hybridep-reuse-allgather-buffer",
-            ),
-            dict(
-                FLEX, moe_hybridep_implementation="deep_ep", **factor, **equal, moe_hybridep_reuse_allgather_buffer=True
-            ),
+            *reuse,
+            implementation="deep_ep",
             equality="close",
             needs_deep_ep=True,
         ),
-        Mode(
+        capacity_equal(
             "deep_ep+capacity+equal+reuse+rerun",
             "as deep_ep+capacity+equal+reuse, each step through the overflow re-run policy",
-            (
-                *flex_flags,
-                "--moe-hybridep-implementation deep_ep",
-                factor_flag,
-                "--moe-hybridep-equal-token-counts",
-                "--moe-hybridep-reuse-allgather-buffer",
-                "--moe-hybridep-overflow-policy rerun",
-            ),
-            dict(
-                FLEX,
-                moe_hybridep_implementation="deep_ep",
-                **factor,
-                **equal,
-                moe_hybridep_reuse_allgather_buffer=True,
-                moe_hybridep_overflow_policy="rerun",
-            ),
+            (*reuse[0], *rerun[0]),
+            dict(reuse[1], **rerun[1]),
+            implementation="deep_ep",
             equality="close",
             needs_deep_ep=True,
             overflow_rerun=True,
+            host_free=False,
         ),
         # Transformer Engine's grouped experts (GPU, TE installed); 'close': TE's GEMMs round differently.
         Mode(
@@ -298,20 +280,20 @@ def all_modes(capacity_factor: float, fp8_recipe: str | None = None) -> tuple[Mo
             equality="close",
             experts="te-op-fuser",
         ),
-        Mode(
+        capacity_equal(
             "capacity+equal+te",
             "as capacity+equal, experts TEGroupedMLP through TE's op fuser (counts on the device)",
-            (*flex_flags, factor_flag, "--moe-hybridep-equal-token-counts", *OP_FUSER_FLAGS),
-            dict(torch_impl, **factor, **equal, use_transformer_engine_op_fuser=True),
+            OP_FUSER_FLAGS,
+            dict(use_transformer_engine_op_fuser=True),
             equality="close",
             experts="te-op-fuser",
         ),
-        Mode(
+        capacity_equal(
             "capacity+equal+static+te",
             "as capacity+equal, experts TEGroupedMLP without the op fuser, given a fixed row budget each "
             "(static expert splits: host-constant counts)",
-            (*flex_flags, factor_flag, "--moe-hybridep-equal-token-counts", STATIC_SPLITS_FLAG, *TE_FLAGS),
-            dict(torch_impl, **factor, **equal, moe_hybridep_static_expert_splits=True),
+            (STATIC_SPLITS_FLAG, *TE_FLAGS),
+            dict(moe_hybridep_static_expert_splits=True),
             equality="close",
             experts="te",
         ),

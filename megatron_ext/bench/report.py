@@ -246,7 +246,8 @@ COLUMNS = (
         "outputs, input gradients and every parameter gradient of {check_steps} steps against blocking's (the "
         "reference; for the fp8 modes, against blocking+te+fp8's): 'bitwise', 'close E' (a mode that sums in "
         "another order, within the tolerance; E: the largest relative error), 'differs E' (the run fails), "
-        "'failed', or 'skipped' (why: under the table). The JSON names the step and tensor of E "
+        "or 'failed'. A mode that cannot run here has no row: a line under the table names it and why. The "
+        "JSON names the step and tensor of E "
         "(worst_error_at), each step's largest (step_rel_errors) and each tensor's (tensor_rel_errors).",
         keep=98,
     ),
@@ -384,13 +385,9 @@ def _present(rows: list[dict], cuda: bool) -> list[Column]:
 
 
 def _render(rows: list[dict], columns: list[Column]) -> list[str]:
+    """The table's lines: a row per mode that ran (the skipped ones are named under it, with why)."""
     header = [c.header for c in columns]
-    lines = []
-    for r in rows:
-        if r["status"] == "skipped":  # why: under the table
-            lines.append([r["name"], "skipped"] + [""] * (len(columns) - 2))
-        else:
-            lines.append([c.cell(r) for c in columns])
+    lines = [[c.cell(r) for c in columns] for r in rows if r["status"] != "skipped"]
     widths = [max(len(row[i]) for row in [header, *lines]) for i in range(len(columns))]
     render = [
         "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))).rstrip()
@@ -413,8 +410,8 @@ def columns(rows: list[dict], cuda: bool, wide: bool = False, width: int = WIDTH
 
 
 def table(rows: list[dict], cuda: bool, wide: bool = False, width: int = WIDTH) -> str:
-    """The table: the default columns no wider than `width` (a terminal); `wide` adds the rest
-    (the JSON has every number either way)."""
+    """The table of the modes that ran: the default columns no wider than `width` (a terminal);
+    `wide` adds the rest (the JSON has every number, and every mode, either way)."""
     return "\n".join(_render(rows, columns(rows, cuda, wide, width)))
 
 

@@ -27,13 +27,18 @@ How tokens move (W ranks, T tokens per rank, rank r owns experts [r * L, (r + 1)
   rows (their count read on the device), a padding row reading as zeros; the combine gathers each
   token's rows by a [slots, L] table. Rows past the padded total (a capacity's spare rows) are
   left unwritten, as deep_ep leaves them; on CPU they are zero. One rank exchanges nothing.
+
+This module holds the buffer's constructor, its dispatch (plan, layout, row moves), its
+collectives and its combine's entry; the rest lives beside it: the handle (`torch_handle.py`), the
+argument checks (`torch_checks.py`) and the combine's row sums and moves (`torch_combine.py`), the
+last two inherited by `TorchHybridEPBuffer`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -42,94 +47,24 @@ from megatron_ext import fused
 from megatron_ext.hybridep.allgather import RoutingMapGather
 from megatron_ext.hybridep.exchange import DeviceSplitsExchange, choose_exchange
 from megatron_ext.hybridep.layout import expert_layout, padded_counts, round_up
+from megatron_ext.hybridep.torch_checks import (  # noqa: F401 (re-exported: the row dtypes, defined here before)
+    FP8_HIDDEN_DTYPES,
+    SUPPORTED_HIDDEN_DTYPES,
+    TorchBufferChecks,
+    _check,
+)
+from megatron_ext.hybridep.torch_combine import (  # noqa: F401 (re-exported: PADDING_SPREAD, defined here before)
+    PADDING_SPREAD,
+    TorchBufferCombine,
+)
+from megatron_ext.hybridep.torch_handle import (  # noqa: F401 (re-exported: hybridep/__init__.py, handle.py)
+    HybridEPHandle,
+    _handle,
+    _probs_row_bytes,
+    _probs_width,
+    _SendPlan,
+)
 from megatron_ext.options import TRANSPORTS
-
-SUPPORTED_HIDDEN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-# An fp8 dispatch's rows (`use_fp8=True`): quantized data, one byte per element (deep_ep takes uint8).
-FP8_HIDDEN_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.uint8)
-
-
-class HybridEPHandle(NamedTuple):
-    """What combine (and a dispatch that reuses a layout) needs from a dispatch.
-
-    Index 10 is the overflow flag, as in deep_ep's handle (Megatron reads it by position).
-    """
-
-    row_slot: torch.Tensor  # [capacity] int64: receive slot of each output row (num_slots = zero row)
-    row_prob_index: torch.Tensor  # [capacity] int64: each row's place in the flat [num_slots + 1, L] probs
-    num_slots: int  # receive slots: exact received tokens (blocking) or W * T (non-blocking)
-    send_token: Optional[torch.Tensor]  # blocking: [S] int64 token of each sent row, by destination
-    send_dest: Optional[torch.Tensor]  # blocking: [S] int64 destination rank of each sent row
-    send_splits: Optional[tuple[int, ...]]  # blocking: rows sent to each rank
-    recv_splits: Optional[tuple[int, ...]]  # blocking: rows received from each rank
-    num_tokens: int  # T, tokens per rank at dispatch
-    capacity: int  # output rows: the capacity asked for, or (blocking without one) the exact padded total
-    non_blocking: bool
-    overflow_flag: torch.Tensor  # [1] int32; written in both modes, 0 unless truncated
-    tokens_per_expert: torch.Tensor  # [L] int64 padded counts, truncated to the capacity
-    pad_multiple: Optional[int]
-    real_rows: torch.Tensor  # [1] int64: sum(tokens_per_expert), the rows that exist (<= capacity), on the device
-    slot_rows: Optional[torch.Tensor]  # fused kernels only: [num_slots, L] int32, row of (slot, expert) or -1
-    token_rows: Optional[
-        torch.Tensor
-    ]  # fused kernels only: [T, W] int32, combine's returned row of (token, rank) or -1
-    send_counts: Optional[torch.Tensor]  # exact non-blocking only: [W] int64 rows sent to each rank, on the device
-    recv_counts: Optional[
-        torch.Tensor
-    ]  # exact non-blocking only: [W] int64 rows received from each rank, on the device
-    # Made by a dispatch with use_fp8=True: a dispatch that reuses it must be one too, as in deep_ep,
-    # whose handle carries the kernel configuration (1-byte rows) of the dispatch that made it.
-    use_fp8: bool = False
-
-
-def _handle(
-    layout_rows: tuple[torch.Tensor, torch.Tensor],
-    counts: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-    *,
-    num_slots: int,
-    num_tokens: int,
-    capacity: int,
-    pad_multiple: Optional[int],
-    tables: tuple[Optional[torch.Tensor], Optional[torch.Tensor]] = (None, None),
-    send: Optional[tuple[torch.Tensor, torch.Tensor, tuple[int, ...], tuple[int, ...]]] = None,
-    exact: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
-) -> HybridEPHandle:
-    """A handle from its parts: `layout_rows` (row_slot, row_prob_index), `counts` (overflow flag,
-    tokens_per_expert, real_rows), the fused kernels' `tables` (slot_rows, token_rows), for a
-    dispatch that sends exact rows `send` (send_token, send_dest, and, when blocking, send_splits
-    and recv_splits), and for a non-blocking one of those `exact` (send_counts, recv_counts)."""
-    send_token, send_dest, send_splits, recv_splits = send if send is not None else (None, None, None, None)
-    send_counts, recv_counts = exact if exact is not None else (None, None)
-    return HybridEPHandle(
-        row_slot=layout_rows[0],
-        row_prob_index=layout_rows[1],
-        num_slots=num_slots,
-        send_token=send_token,
-        send_dest=send_dest,
-        send_splits=send_splits,
-        recv_splits=recv_splits,
-        num_tokens=num_tokens,
-        capacity=capacity,
-        non_blocking=send is None or exact is not None,
-        overflow_flag=counts[0],
-        tokens_per_expert=counts[1],
-        pad_multiple=pad_multiple,
-        real_rows=counts[2],
-        slot_rows=tables[0],
-        token_rows=tables[1],
-        send_counts=send_counts,
-        recv_counts=recv_counts,
-    )
-
-
-class _SendPlan(NamedTuple):
-    """A dispatch's exact send plan, made on the device (`TorchHybridEPBuffer._send_plan`)."""
-
-    slot_of_token: torch.Tensor  # [W * T] receive slot of gathered token g (received ones ascending; others none)
-    token_rows: torch.Tensor  # [T, W] int32 combine's returned row of (token, rank), or -1: send order
-    pairs: torch.Tensor  # [W * T, 2] (rank, token) of each row to send, by rank then token; the real ones first
-    send_counts: torch.Tensor  # [W] int64 rows sent to each rank
-    recv_counts: torch.Tensor  # [W] int64 rows received from each rank
 
 
 @dataclass(frozen=True)
@@ -150,60 +85,13 @@ def _traffic(map_bytes: int, rows: int | torch.Tensor, row_bytes: int, probs_row
     return Traffic(map_bytes, rows * row_bytes, rows * probs_row_bytes)
 
 
-def _check(condition: bool, argument: str, requirement: str, got: object) -> None:
-    """Raise naming `argument` unless `condition`; a tensor `got` is described only then."""
-    if not condition:
-        if isinstance(got, torch.Tensor):
-            got = _describe(got)
-        raise ValueError(f"HybridEP: `{argument}` must be {requirement}; got {got}.")
-
-
-def _describe(t: Optional[torch.Tensor]) -> str:
-    return "None" if t is None else f"{t.dtype} tensor of shape {tuple(t.shape)}"
-
-
-def _probs_width(num_local: int) -> int:
-    """Floats per row of an exact exchange's probs: L, rounded up to whole 32-byte rows (what
-    NVSHMEM's all-to-all needs, `exchange.NVSHMEMExchange.row_alignment`)."""
-    return -(-num_local // 8) * 8
-
-
-def _probs_row_bytes(handle: HybridEPHandle, num_local: int) -> int:
-    """Bytes of probs one row carries on the wire: L floats, padded on the exact path."""
-    return 4 * (_probs_width(num_local) if handle.send_counts is not None else num_local)
-
-
-def _probs_per_slot(probs: torch.Tensor, handle: HybridEPHandle, num_local: int) -> torch.Tensor:
-    """`[num_slots, L]` float32: each row's value at its (slot, expert); zero where no row is."""
-    table = torch.zeros(handle.num_slots + 1, num_local, dtype=torch.float32, device=probs.device)
-    table.view(-1).index_put_((handle.row_prob_index,), probs)
-    return table[: handle.num_slots]
-
-
 def _gather_or_zero(src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """`src[index]`, an index of `len(src)` (a padding row's slot) reading zeros: the torch path's
     gather (the fused one reads no zero row)."""
     return torch.cat([src, src.new_zeros(1, *src.shape[1:])])[index]
 
 
-# Padding rows all point at one zero slot. Accumulating thousands of rows into one slot serialises
-# CUDA's deterministic index_put_ (measured on the H200: 2.8 ms instead of ~0.05 ms per combine at
-# 8192 padding rows), so a combine spreads them over this many discarded slots instead.
-PADDING_SPREAD = 1024
-
-
-def _spread_padding(row_slot: torch.Tensor, num_slots: int) -> torch.Tensor:
-    """`row_slot` with padding rows (slot `num_slots`) sent to slots num_slots .. num_slots + PADDING_SPREAD - 1."""
-    spread = torch.arange(row_slot.numel(), device=row_slot.device).remainder_(PADDING_SPREAD).add_(num_slots)
-    return torch.where(row_slot == num_slots, spread, row_slot)
-
-
-def _accumulate(out: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """out[index[i]] += rows[i], adding each slot's rows in their order (deterministic)."""
-    return out.index_put_((index,), rows.to(out.dtype), accumulate=True)
-
-
-class TorchHybridEPBuffer:
+class TorchHybridEPBuffer(TorchBufferCombine, TorchBufferChecks):
     """`deep_ep.HybridEPBuffer` on torch.distributed.
 
     It satisfies `megatron_ext.hybridep.protocol.HybridEPBuffer` structurally (the calls
@@ -447,140 +335,6 @@ class TorchHybridEPBuffer:
         )
         return rows, row_probs, scales, handle.tokens_per_expert, handle
 
-    def _resolve_routing(self, hidden, routing_map, probs, topk_idx, topk_weights, num_of_experts, num_local):
-        if num_local is not None:
-            _check(
-                num_local == self.num_local_experts,
-                "num_of_experts_per_rank",
-                f"{self.num_local_experts} (the buffer's num_local_experts)",
-                num_local,
-            )
-        num_tokens = hidden.shape[0]
-        if routing_map is None:
-            _check(topk_idx is not None, "routing_map", "a [T, E] bool tensor (or give topk_idx)", None)
-            _check(isinstance(num_of_experts, int), "num_of_experts", "an int when routing by topk_idx", num_of_experts)
-            _check(
-                topk_idx.dim() == 2 and topk_idx.shape[0] == num_tokens and not topk_idx.is_floating_point(),
-                "topk_idx",
-                f"an integer tensor of shape [{num_tokens}, K]",
-                topk_idx,
-            )
-            routing_map = torch.zeros(num_tokens, num_of_experts, dtype=torch.bool, device=hidden.device)
-            routing_map.scatter_(1, topk_idx.long(), True)
-            if topk_weights is not None:
-                _check(
-                    topk_weights.shape == topk_idx.shape,
-                    "topk_weights",
-                    f"of shape {tuple(topk_idx.shape)}",
-                    topk_weights,
-                )
-                probs = torch.zeros(num_tokens, num_of_experts, dtype=torch.float32, device=hidden.device)
-                probs.scatter_(1, topk_idx.long(), topk_weights.float())
-        num_experts = self.world_size * self.num_local_experts
-        _check(
-            routing_map.dtype == torch.bool and routing_map.dim() == 2,
-            "routing_map",
-            "a 2-D bool tensor [T, E]",
-            routing_map,
-        )
-        _check(
-            routing_map.shape[0] == num_tokens,
-            "routing_map",
-            f"[{num_tokens}, E] (one row per token of `hidden`)",
-            routing_map,
-        )
-        _check(
-            routing_map.shape[1] == num_experts,
-            "routing_map",
-            f"[T, {num_experts}]: experts = num_local_experts ({self.num_local_experts}) x ranks "
-            f"({self.world_size}); the number of experts must be divisible by the number of ranks",
-            routing_map,
-        )
-        if num_of_experts is not None:
-            _check(
-                num_of_experts == num_experts,
-                "num_of_experts",
-                f"{num_experts} (routing_map's columns)",
-                num_of_experts,
-            )
-        if probs is not None:
-            self._check_probs(probs, num_tokens, num_experts)
-        return routing_map, probs
-
-    def _check_hidden(self, hidden, argument, fp8: bool = False):
-        _check(
-            isinstance(hidden, torch.Tensor) and hidden.dim() == 2,
-            argument,
-            "a 2-D tensor [T, H]",
-            hidden if isinstance(hidden, torch.Tensor) else type(hidden).__name__,
-        )
-        if fp8:
-            _check(
-                hidden.dtype in FP8_HIDDEN_DTYPES,
-                argument,
-                "quantized data with use_fp8=True: float8_e4m3fn, float8_e5m2 or uint8",
-                hidden.dtype,
-            )
-        else:
-            _check(hidden.dtype in SUPPORTED_HIDDEN_DTYPES, argument, "bfloat16, float16 or float32", hidden.dtype)
-
-    @staticmethod
-    def _check_scaling_factor(scaling_factor, hidden):
-        _check(
-            isinstance(scaling_factor, torch.Tensor)
-            and scaling_factor.dtype == torch.float32
-            and scaling_factor.dim() == 2
-            and scaling_factor.shape[0] == hidden.shape[0],
-            "scaling_factor",
-            f"with use_fp8=True, a float32 tensor [{hidden.shape[0]}, S] of each token's scales",
-            scaling_factor,
-        )
-
-    def _check_probs(self, probs, num_tokens, num_experts):
-        _check(
-            probs.dtype == torch.float32 and tuple(probs.shape) == (num_tokens, num_experts),
-            "probs",
-            f"a float32 tensor of shape [{num_tokens}, {num_experts}]",
-            probs,
-        )
-
-    @staticmethod
-    def _check_handle(handle, argument):
-        _check(
-            isinstance(handle, HybridEPHandle),
-            argument,
-            "a handle returned by this buffer's dispatch",
-            type(handle).__name__,
-        )
-
-    @staticmethod
-    def _check_capacity(num_permuted_tokens, pad_multiple, non_blocking) -> Optional[int]:
-        _check(
-            pad_multiple is None or (isinstance(pad_multiple, int) and pad_multiple > 0),
-            "pad_multiple",
-            "None or a positive int",
-            pad_multiple,
-        )
-        if num_permuted_tokens is None:
-            _check(not non_blocking, "num_permuted_tokens", "a host int when non_blocking=True (the output size)", None)
-            return None
-        _check(
-            isinstance(num_permuted_tokens, int)
-            and not isinstance(num_permuted_tokens, bool)
-            and num_permuted_tokens >= 0,
-            "num_permuted_tokens",
-            "None or a non-negative host int (a tensor would need a host read)",
-            type(num_permuted_tokens).__name__ if not isinstance(num_permuted_tokens, int) else num_permuted_tokens,
-        )
-        if pad_multiple is not None:
-            _check(
-                num_permuted_tokens % pad_multiple == 0,
-                "num_permuted_tokens",
-                f"a multiple of pad_multiple ({pad_multiple})",
-                num_permuted_tokens,
-            )
-        return num_permuted_tokens
-
     def _plan(self, routing_map, capacity, pad_multiple, non_blocking, row_bytes) -> HybridEPHandle:
         """Gather the routing maps and compute this rank's layout and send plan."""
         W, L = self.world_size, self.num_local_experts
@@ -696,19 +450,6 @@ class TorchHybridEPBuffer:
             recv_counts=received.view(W, num_tokens).sum(dim=1),
         )
 
-    def _returned_rows(self, num_tokens: int, device: torch.device) -> torch.Tensor:
-        """`[T, W]` int32 `w * T + t`: where a non-blocking combine's partial of token t from rank w
-        comes back. The same for every dispatch of a token count: made once."""
-        key = (num_tokens, device)
-        table = self._returned_rows_cache.get(key)
-        if table is None:
-            W = self.world_size
-            table = (torch.arange(W, device=device) * num_tokens + torch.arange(num_tokens, device=device)[:, None]).to(
-                torch.int32
-            )
-            self._returned_rows_cache = {key: table}
-        return table
-
     def _move_rows(self, hidden, probs, handle: HybridEPHandle, key: str = "rows"):
         """Bring the rows of `handle`'s layout to this rank and place them; a padding row (a slot
         past the received ones) reads as zeros. Returns (rows, probs, rows sent to other ranks).
@@ -817,81 +558,6 @@ class TorchHybridEPBuffer:
             0 if probs is None else _probs_row_bytes(handle, self.num_local_experts),
         )
         return tokens, token_probs
-
-    def _combine_rows(self, hidden, probs, handle: HybridEPHandle):
-        """Sum each token's rows and bring the sums (and probs) back to the token's rank.
-        Returns (tokens, probs, rows sent to other ranks).
-
-        1. On the expert's rank: one float32 partial per received token, experts in order. The
-        fused kernel gathers each token's rows (only the rows that exist are read); the torch path
-        accumulates every row, padding rows into discarded slots.
-        2. Partials back to their source ranks; 3. summed there in rank order, in float32 (by a
-        gather per token where the fused kernels run, else by accumulation)."""
-        if handle.send_counts is not None:
-            return self._combine_exact_rows(hidden, probs, handle)
-        T, W, L, width = handle.num_tokens, self.world_size, self.num_local_experts, hidden.shape[1]
-        fused_kernels = handle.slot_rows is not None
-        table = None  # the probs per slot, by local expert
-        if fused_kernels and probs is not None:
-            partial, table = fused.sum_rows_per_slot_and_values(hidden, handle.slot_rows, hidden.dtype, probs)
-        elif fused_kernels:
-            partial = fused.sum_rows_per_slot(hidden, handle.slot_rows, hidden.dtype)
-        else:
-            partial = torch.zeros(handle.num_slots + PADDING_SPREAD, width, dtype=torch.float32, device=hidden.device)
-            _accumulate(partial, _spread_padding(handle.row_slot, handle.num_slots), hidden)
-            partial = partial[: handle.num_slots].to(hidden.dtype)
-        if handle.non_blocking:
-            back = self._exchange(partial)
-            rows_elsewhere = (W - 1) * T
-        else:
-            back = self._exchange(partial, handle.send_splits, handle.recv_splits)
-            rows_elsewhere = self._sent_elsewhere(handle.recv_splits)
-        if handle.non_blocking and W == 1:
-            tokens = back  # token t's one partial is row t: a float32 sum of one term is the term
-        elif fused_kernels:
-            tokens = fused.sum_rows_per_slot(back, handle.token_rows, hidden.dtype)
-        else:
-            back_token = torch.arange(T, device=hidden.device).repeat(W) if handle.non_blocking else handle.send_token
-            out = torch.zeros(T, width, dtype=torch.float32, device=hidden.device)
-            tokens = _accumulate(out, back_token, back).to(hidden.dtype)
-
-        token_probs = None
-        if probs is not None:
-            table = _probs_per_slot(probs, handle, L) if table is None else table
-            if handle.non_blocking:
-                back_probs = self._exchange(table)
-                token_probs = back_probs.view(W, T, L).transpose(0, 1).reshape(T, W * L)
-            else:
-                back_probs = self._exchange(table, handle.send_splits, handle.recv_splits)
-                token_probs = torch.zeros(T, W, L, dtype=torch.float32, device=probs.device)
-                token_probs[handle.send_token, handle.send_dest] = back_probs
-                token_probs = token_probs.view(T, W * L)
-        return tokens, token_probs, rows_elsewhere
-
-    def _combine_exact_rows(self, hidden, probs, handle: HybridEPHandle):
-        """combine for a dispatch that sent exact rows: the partials of each received token go back
-        to their source rank in slot order (by source, then token), which is each source's send
-        order, so `token_rows` finds them; the probs travel alike."""
-        W, L, T = self.world_size, self.num_local_experts, handle.num_tokens
-        exchange, slots = self._splits_exchange, W * T
-        exchange.barrier()
-        send, recv = exchange.buffers("rows", slots, hidden.shape[1], hidden.dtype, hidden.device)
-        if probs is None:
-            fused.sum_rows_per_slot(hidden, handle.slot_rows, hidden.dtype, out=send)
-        else:  # the probs by slot into their send buffer in the same launch
-            send_probs, recv_probs = exchange.buffers("probs", slots, _probs_width(L), torch.float32, hidden.device)
-            fused.sum_rows_per_slot_and_values(
-                hidden, handle.slot_rows, hidden.dtype, probs, out=send, values_out=send_probs[:, :L]
-            )
-        exchange.exchange("rows", handle.recv_counts)
-        tokens = fused.sum_rows_per_slot(recv[:slots], handle.token_rows, hidden.dtype)
-        token_probs = None
-        if probs is not None:
-            exchange.exchange("probs", handle.recv_counts)
-            returned = handle.token_rows.long()  # [T, W]: row of (token, rank) in send order, or -1
-            picked = recv_probs[:slots, :L][returned.clamp(min=0)]  # [T, W, L]
-            token_probs = torch.where((returned >= 0).unsqueeze(2), picked, 0.0).view(T, W * L)
-        return tokens, token_probs, handle.recv_counts.sum() - handle.recv_counts[self.rank]
 
     # ------------------------------------------------------------------ helpers
 

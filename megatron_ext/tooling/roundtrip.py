@@ -33,6 +33,7 @@ import torch.distributed as dist
 from megatron_ext.hybridep.autograd import dispatch_with_capacity
 from megatron_ext.options import TRANSPORTS, capacity_factor_argument
 from megatron_ext.tooling.ranks import run_on_ranks, this_rank, under_torchrun
+from megatron_ext.tooling.timing import cuda_ms
 
 
 def _parse(argv=None):
@@ -86,17 +87,7 @@ def _device_ms(fn, iters: int, device: torch.device) -> float:
     """Median time of `fn()`: CUDA events around each call on a GPU, the host clock on CPU."""
     if device.type != "cuda":
         return _host_ms(fn, iters)
-    fn()  # warm-up
-    pairs = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        pairs.append((start, end))
-    torch.cuda.synchronize()
-    times = sorted(s.elapsed_time(e) for s, e in pairs)
-    return times[len(times) // 2]
+    return cuda_ms(fn, iters)
 
 
 def _bandwidth_lines(rank, world_size, iters, device, buf, dispatch, capacity) -> list[str]:

@@ -28,7 +28,8 @@ Where CUDA is in use, Python-method reads of CPU tensors are not counted: they w
 (split sizes TE's grouped linear rebuilds from a Python list, static expert splits' budgets). The
 device-to-host copy that may have filled one is what waits, and CUDA's sync-debug mode reports it.
 On a CPU-only run every read counts, as it would stall a GPU were the tensor on one, except a
-tensor marked with `host_constant()` (made on the host, never written by a kernel).
+tensor marked with `megatron_ext.host_constant.host_constant()` (made on the host, never written by a
+kernel).
 
 The ground truth on a GPU is `runahead_probe`: queue a long GPU sleep, then time how long the
 host takes to enqueue a step. A step that never waits returns long before the sleep ends.
@@ -46,6 +47,8 @@ from dataclasses import dataclass, field
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from megatron_ext.host_constant import is_host_constant
 
 aten = torch.ops.aten
 
@@ -92,23 +95,12 @@ _active: list[_Guard] = []
 _originals: dict[tuple[object, str], Callable] = {}
 
 
-_HOST_CONSTANT = "_megatron_ext_host_constant"
-
-
-def host_constant(tensor: torch.Tensor) -> torch.Tensor:
-    """Mark a CPU tensor as a host constant (its reads wait for no device); returns it."""
-    if tensor.device.type != "cpu":
-        raise ValueError(f"host_constant() takes a CPU tensor, not one on {tensor.device}")
-    setattr(tensor, _HOST_CONSTANT, True)
-    return tensor
-
-
 def _waits_for_nothing(value: object) -> bool:
     """A Python read of `value` waits for no device: a CPU tensor that is a host constant, or any
     CPU tensor while CUDA is in use (module docstring)."""
     if not isinstance(value, torch.Tensor) or value.device.type != "cpu":
         return False
-    return getattr(value, _HOST_CONSTANT, False) or (bool(_active) and _active[-1].cuda)
+    return is_host_constant(value) or (bool(_active) and _active[-1].cuda)
 
 
 def _report(what: str) -> None:

@@ -1,0 +1,164 @@
+"""The training-loop readers: a profiler trace's per-iteration figures (loop_profile) and one shape's
+runs side by side (train_shapes), on traces and logs written here with known answers."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+
+import pytest
+
+from megatron_ext.tooling import loop_profile, train_shapes
+
+GROUPED = "_ZN7cutlass13device_kernelIN2at4cuda6detail25enable_3x_kernel_for_sm9xINS_4gemm6kernel13GemmUniversalINS5_17GroupProblemShapeIN4cute5tupleIJiiiEEEE"  # noqa: E501
+
+
+def _x(cat: str, name: str, ts: float, dur: float, tid: int = 1) -> dict:
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": tid, "pid": 1}
+
+
+def _trace(steps: int = 2) -> list[dict]:
+    """`steps` iterations of 1000 µs on the host; per iteration, on the GPU: two overlapping kernels
+    (union 15 µs), a grouped GEMM of 10 µs, a copy of 5 µs; the host: 2 waits of 4 µs, 3 launches."""
+    events = []
+    for i in range(steps):
+        t = i * 1000.0
+        events += [
+            _x("user_annotation", f"ProfilerStep#{10 + i}", t, 1000),
+            _x("gpu_user_annotation", f"ProfilerStep#{10 + i}", t, 1000, tid=7),  # the GPU's copy: not a step
+            _x("kernel", "void at::native::vectorized_elementwise_kernel<4, Foo<int>>(int, Foo)", t + 0, 10, tid=7),
+            _x("kernel", "void at::native::vectorized_elementwise_kernel<4, Foo<int>>(int, Foo)", t + 5, 10, tid=7),
+            _x("kernel", GROUPED, t + 100, 10, tid=7),
+            _x("gpu_memcpy", "Memcpy DtoH (Device -> Pinned)", t + 200, 5, tid=7),
+            _x("cuda_runtime", "cudaStreamSynchronize", t + 300, 4),
+            _x("cuda_runtime", "cudaEventSynchronize", t + 310, 4),
+            _x("cuda_runtime", "cudaLaunchKernel", t + 1, 2),
+            _x("cuda_runtime", "cudaLaunchKernel", t + 3, 2),
+            _x("cuda_driver", "cuLaunchKernelEx", t + 5, 2),
+            _x("cuda_runtime", "cudaMemcpyAsync", t + 199, 2),
+            _x("cpu_op", "aten::add", t + 1, 3),
+        ]
+    return events
+
+
+def test_summarize_counts_host_steps_and_the_union_of_gpu_work():
+    s = loop_profile.summarize(_trace(2))
+    assert s["iterations"] == 2  # the gpu_user_annotation twins of ProfilerStep# are not steps
+    assert s["wall_ms"] == pytest.approx(1.0)
+    assert s["gpu_busy_ms"] == pytest.approx((15 + 10 + 5) / 1e3)  # overlapping kernels count once
+    assert s["host_waits"] == 2 and s["host_wait_ms"] == pytest.approx(0.008)
+    assert s["launches"] == 3  # cudaMemcpyAsync is no launch
+    cats = s["categories"]
+    assert cats["elementwise"] == {"calls": 2, "ms": pytest.approx(0.020)}  # summed, not unioned
+    assert cats["grouped GEMM (experts)"]["ms"] == pytest.approx(0.010)
+    assert cats["copy, memset"]["ms"] == pytest.approx(0.005)
+    assert s["kernels"][0]["kernel"] == "at::native::vectorized_elementwise_kernel<>"
+    assert [k["ms"] for k in s["kernels"]] == sorted((k["ms"] for k in s["kernels"]), reverse=True)
+
+
+def test_gpu_idle_is_split_where_the_host_ends_forward_and_backward():
+    events = [
+        _x("user_annotation", "ProfilerStep#3", 0, 10_000),
+        _x("kernel", "k", 0, 1000, tid=7),
+        _x("kernel", "k", 5000, 1000, tid=7),
+        _x("cpu_op", "autograd::engine::evaluate_function: MulBackward0", 300, 100, tid=2),
+        _x("cpu_op", "autograd::engine::evaluate_function: AddBackward0", 2000, 600, tid=2),  # ends at 2600
+        _x("cpu_op", "Optimizer.step#AdamW.step", 7000, 500),
+    ]
+    s = loop_profile.summarize(events)
+    assert s["gpu_idle_forward_backward_ms"] == pytest.approx(1.6)  # 1000-2600
+    assert s["gpu_idle_step_end_ms"] == pytest.approx(2.4 + 4.0)  # 2600-5000, 6000-10000
+    assert s["gpu_busy_ms"] == pytest.approx(2.0)
+    graphed = [e for e in events if not e["name"].startswith("autograd")]
+    graphed.append(_x("cuda_runtime", "cudaGraphLaunch", 4000, 10))  # a graph of the step: its launch ends it
+    s = loop_profile.summarize(graphed)
+    assert s["gpu_idle_forward_backward_ms"] == pytest.approx(3.01)  # 1000-4010
+    no_marks = loop_profile.summarize(_trace(2))  # nothing marks the end: all of a step's idle time
+    assert no_marks["gpu_idle_forward_backward_ms"] == pytest.approx(0.970)
+    assert no_marks["gpu_idle_step_end_ms"] == 0
+
+
+def test_a_trace_without_profiled_steps_is_refused():
+    with pytest.raises(ValueError, match="ProfilerStep"):
+        loop_profile.summarize([e for e in _trace(1) if e["cat"] != "user_annotation"])
+
+
+@pytest.mark.parametrize(
+    "name, expected",
+    [
+        (GROUPED, "grouped GEMM (experts)"),
+        ("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_TNT", "GEMM (attention, router, output)"),
+        ("ncclDevKernel_AllReduce_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "NCCL"),
+        ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<Adam>()", "optimizer"),
+        ("_gather_rows_kernel", "megatron-ext dispatch (Triton)"),
+        ("_activation_probs_kernel", "megatron-ext activation (Triton)"),
+        ("memcpy32_post", "copy, memset"),
+        ("void at::native::(anonymous namespace)::cunn_SoftMaxForward<8>()", "attention softmax"),
+        ("something_else", loop_profile.OTHER),
+    ],
+)
+def test_kernel_categories(name, expected):
+    assert loop_profile.category(name) == expected
+
+
+def test_short_name_drops_templates_and_parameters():
+    assert loop_profile.short_name("void a::b<c<d>, e>(int, f<g>)") == "a::b<>"
+    assert loop_profile.short_name("x" * 200, width=10) == "x" * 7 + "..."
+
+
+ARGS = "  global_batch_size ............................... 2\n  seq_length ...................................... 4096\n  world_size ...................................... 1\n"  # noqa: E501
+
+
+def _log(times: list[float], losses: list[str], peak: int) -> str:
+    lines = [ARGS]
+    for i, (ms, loss) in enumerate(zip(times, losses), start=1):
+        lines.append(
+            f" [2026-12-04 17:00:00] iteration {i:8d}/{len(times):8d} | elapsed time per iteration (ms): {ms} "
+            f"| lm loss: {loss} | load_balancing_loss: 1.0E+00 | grad norm: 2.0 |"
+        )
+    lines.append(f"megatron-ext example: rank 0: peak GPU memory allocated {peak} MiB, reserved {peak + 10} MiB")
+    return "\n".join(lines)
+
+
+def _write_run(directory, shape: str, run: str, text: str, mtime: int, trace: list | None = None) -> None:
+    log = directory / f"train-{shape}-{run}.log"
+    log.write_text(text)
+    os.utime(log, (mtime, mtime))
+    if trace is not None:
+        path = directory / f"prof-{shape}-{run}" / "torch_profile"
+        path.mkdir(parents=True)
+        with gzip.open(path / "rank-0.json.gz", "wt") as f:
+            json.dump({"traceEvents": trace}, f)
+
+
+def test_train_shapes_compares_runs_over_the_iterations_before_the_profile(tmp_path):
+    # 14 iterations: 1-10 skipped (SKIP_ITERS), 11-12 timed, 13-14 profiled (slow: not in the median).
+    n = 14
+    assert train_shapes.SKIP_ITERS == 10
+    losses = [f"{10 - i * 0.1:.6E}" for i in range(n)]
+    _write_run(tmp_path, "s", "blocking", _log([500.0] * 10 + [200.0, 210.0, 900.0, 900.0], losses, 2048), 1, _trace())
+    capacity_losses = losses[:12] + ["1.0E+00"] + losses[13:]  # iteration 13 differs
+    _write_run(
+        tmp_path, "s", "capacity-eager", _log([500.0] * 10 + [100.0, 105.0, 900.0, 900.0], capacity_losses, 3072), 2
+    )
+    _write_run(tmp_path, "s", "stock", _log([500.0] * 10 + [410.0, 410.0, 900.0, 900.0], losses, 2048), 3)
+    text, record = train_shapes.report(tmp_path, "s", profile_start=13)
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]] for line in text.splitlines()[2:5]}
+    assert list(rows) == ["blocking", "capacity-eager", "stock"]  # in the order they ran
+    blocking, capacity, stock = rows["blocking"], rows["capacity-eager"], rows["stock"]
+    assert blocking[1] == "reference" and stock[1] == "identical"
+    assert capacity[1].startswith("differs: iteration 13: lm loss")
+    assert blocking[2] == "205.0" and capacity[2] == "102.5" and stock[2] == "410.0"  # medians of 11-12
+    assert capacity[3] == f"{2 * 4096 / 0.1025:,.0f}"  # tokens/s: global batch x sequence / step
+    assert blocking[4] == "0.0" and blocking[5] == f"{205.0 / 0.030:.2f}x"  # step over GPU-busy time
+    assert capacity[4] == "-"  # not profiled
+    assert capacity[7:10] == ["3.0", "0.50x", "0.25x"] and capacity[10] == "1.50x"  # peak GiB; ratios
+    assert "| elementwise | 0.02 |" in text
+    assert record["runs"]["capacity-eager"]["peak_mib"] == 3072
+    assert record["runs"]["blocking"]["profile"]["iterations"] == 2
+
+
+def test_train_shapes_without_logs_says_so(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no train-x-"):
+        train_shapes.report(tmp_path, "x", None)
