@@ -302,7 +302,8 @@ class StepCheck:
         flags = torch.zeros(2 + layers, dtype=torch.float32, device=device)  # [overflowed, thin, use of layer 1, ...]
         if now:
             counts = torch.stack([m.overflows for m in now])
-            if self._before is not None:  # a layer calibrated in this step: each of its overflows is new
+            # The layers calibrated before the step count what it added; one calibrated in it, all it has.
+            if self._before is not None:
                 counts[: len(self.calibrated)] -= self._before
             rows = torch.stack([m.rows_used for m in now]).to(flags.dtype)
             expert_rows = torch.stack([m.expert_rows_used for m in now]).to(flags.dtype)
