@@ -54,9 +54,13 @@ def parse_log(text: str) -> dict[int, dict[str, str]]:
     return iterations
 
 
-def step_ms(iterations: dict[int, dict[str, str]], skip: int) -> list[float]:
-    """Megatron's elapsed time per iteration (ms), for the iterations after `skip`."""
-    return [float(f[STEP_MS]) for i, f in sorted(iterations.items()) if i > skip and STEP_MS in f]
+def step_ms(iterations: dict[int, dict[str, str]], skip: int, stop: int | None = None) -> list[float]:
+    """Megatron's elapsed time per iteration (ms), for the iterations after `skip` (and before `stop`)."""
+    return [
+        float(f[STEP_MS])
+        for i, f in sorted(iterations.items())
+        if i > skip and (stop is None or i < stop) and STEP_MS in f
+    ]
 
 
 def reruns_and_growths(text: str) -> tuple[int, int]:

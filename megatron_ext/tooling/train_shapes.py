@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from megatron_ext.tooling import loop_profile
-from megatron_ext.tooling.train_logs import SKIP_ITERS, STEP_MS, first_difference, parse_log, tokens_per_step_and_gpus
+from megatron_ext.tooling.train_logs import SKIP_ITERS, first_difference, parse_log, step_ms, tokens_per_step_and_gpus
 
 PEAK = re.compile(r"peak GPU memory allocated (\d+) MiB")
 REFERENCE, STOCK = "blocking", "stock"
@@ -36,18 +36,11 @@ def run_names(directory: Path, shape: str) -> list[str]:
     return [p.stem.removeprefix(f"train-{shape}-") for p in logs]
 
 
-def median_ms(iterations: dict[int, dict[str, str]], first: int, stop: Optional[int]) -> Optional[float]:
-    """The median logged ms per iteration over iterations first < i < stop (stop None: to the end)."""
-    times = [
-        float(f[STEP_MS]) for i, f in iterations.items() if i > first and (stop is None or i < stop) and STEP_MS in f
-    ]
-    return statistics.median(times) if times else None
-
-
 def run_record(directory: Path, shape: str, name: str, profile_start: Optional[int]) -> dict[str, Any]:
     text = (directory / f"train-{shape}-{name}.log").read_text(errors="replace")
     iterations = parse_log(text)
-    ms = median_ms(iterations, SKIP_ITERS, profile_start)
+    times = step_ms(iterations, SKIP_ITERS, profile_start)  # the profiled iterations run slower
+    ms = statistics.median(times) if times else None
     tokens = tokens_per_step_and_gpus(text)
     peaks = [int(m) for m in PEAK.findall(text)]
     trace = directory / f"prof-{shape}-{name}" / "torch_profile" / "rank-0.json.gz"
