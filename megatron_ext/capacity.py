@@ -14,6 +14,7 @@ below one alignment unit, so a layer calibrated on a batch that routed nothing s
 from __future__ import annotations
 
 import math
+import struct
 from fractions import Fraction
 from typing import Optional
 
@@ -64,6 +65,17 @@ def half_headroom(calibrated: int, size: int) -> int:
     """Rows above which a capacity (or a budget) sized from `calibrated` rows to `size` has used half
     of its room: where megatron-ext's overflow policy grows it before an overflow."""
     return calibrated + (size - calibrated) // 2
+
+
+def capacity_reciprocal(capacity: int) -> float:
+    """1 / `capacity` rounded to float32. A layer's capacity use is rows x this, in float32, wherever
+    it is computed: a dispatch's metric (a tensor times a host number) and the step check's largest
+    use (a tensor of these, one per layer) then give equal values for equal rows. Dividing instead
+    would not: CUDA divides a tensor by a host number as a multiply by its reciprocal, and a tensor
+    by a tensor exactly, so the two could differ in the last bit and a rank's use exceed the maximum."""
+    if capacity < 1:
+        raise ValueError(f"capacity_reciprocal: `capacity` must be >= 1; got {capacity}.")
+    return struct.unpack("f", struct.pack("f", 1.0 / capacity))[0]
 
 
 def equal_count_padding(num_tokens: int, alignment: int) -> int:

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ext import budget as budgets
-from megatron_ext.capacity import budget_from_rows, capacity_from_rows, half_headroom
+from megatron_ext.capacity import budget_from_rows, capacity_from_rows, capacity_reciprocal, half_headroom
 from megatron_ext.host_constant import host_constant
 from megatron_ext.hybridep import overflow_flag
 from megatron_ext.hybridep.protocol import Handle
@@ -229,14 +229,18 @@ class CapacityPolicy:
         )
 
     def _record_capacity_use(self, rows: torch.Tensor) -> None:
-        """Rows / capacity of this forward dispatch into Megatron's MoE metrics (`CAPACITY_USE_METRIC`,
-        logged per iteration as the mean over micro-batches and MoE layers)."""
+        """Rows / capacity of this forward dispatch (`capacity_reciprocal`'s product) into Megatron's
+        MoE metrics (`CAPACITY_USE_METRIC`, logged per iteration as the mean over micro-batches and
+        MoE layers)."""
         if not self.log_metrics or self.layer_number is None or in_backward():  # a recompute replay: counted once
             return
         from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 
         get_moe_metrics_tracker().record(
-            CAPACITY_USE_METRIC, rows.float() / self.capacity, self.layer_number, numbered_layers(self.config)
+            CAPACITY_USE_METRIC,
+            rows.float() * capacity_reciprocal(self.capacity),
+            self.layer_number,
+            numbered_layers(self.config),
         )
 
     def record_capacity_use_max(self, use: torch.Tensor, num_microbatches: int) -> None:

@@ -53,6 +53,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from megatron_ext.capacity import capacity_reciprocal
 from megatron_ext.dispatcher import HybridEPCapacityManager, dispatch_managers, group_device, numbered_layers
 from megatron_ext.logs import once_per_job
 
@@ -311,7 +312,7 @@ class StepCheck:
             thin = (rows > limits.rows_threshold) | (expert_rows > limits.expert_rows_threshold)
             flags[:2] = torch.stack([(counts > 0).any(), thin.any()]).to(flags.dtype)
             if limits.numbered is not None:
-                flags[2:].index_copy_(0, limits.positions, rows[limits.numbered] / limits.capacities)
+                flags[2:].index_copy_(0, limits.positions, rows[limits.numbered] * limits.reciprocals)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         overflowed, thin = flags[:2].tolist()
         return bool(overflowed), bool(thin), flags[2:]
@@ -321,7 +322,8 @@ class _Limits:
     """What `StepCheck.read` compares the counters with, as device tensors (one per manager, in order):
     the rows and the largest expert's rows above which headroom is thin (inf: none), and for the
     managers with a layer number and a capacity, their indices, positions (layer number - 1) and
-    capacities. Made once per set of host values and kept: they change with a growth only."""
+    capacities' reciprocals (`capacity_reciprocal`: the uses equal those the dispatches recorded).
+    Made once per set of host values and kept: they change with a growth only."""
 
     def __init__(self, managers: list[HybridEPCapacityManager], device: torch.device):
         def thresholds(of):
@@ -330,11 +332,11 @@ class _Limits:
         self.rows_threshold = thresholds(lambda m: m.headroom_threshold())
         self.expert_rows_threshold = thresholds(lambda m: m.budget_headroom_threshold())
         numbered = [i for i, m in enumerate(managers) if m.capacity and m.layer_number is not None]
-        self.numbered = self.positions = self.capacities = None
+        self.numbered = self.positions = self.reciprocals = None
         if numbered:
             self.numbered = _host_to_device(numbered, device, torch.int64)
             self.positions = _host_to_device([managers[i].layer_number - 1 for i in numbered], device, torch.int64)
-            self.capacities = _host_to_device([float(managers[i].capacity) for i in numbered], device)
+            self.reciprocals = _host_to_device([capacity_reciprocal(managers[i].capacity) for i in numbered], device)
 
 
 _LIMITS: dict[tuple, _Limits] = {}

@@ -6,7 +6,13 @@ import math
 
 import pytest
 
-from megatron_ext.capacity import capacity_alignment, capacity_from_rows, equal_count_padding, round_up
+from megatron_ext.capacity import (
+    capacity_alignment,
+    capacity_from_rows,
+    capacity_reciprocal,
+    equal_count_padding,
+    round_up,
+)
 
 
 @pytest.mark.parametrize(("value", "multiple", "expected"), [(0, 4, 0), (1, 4, 4), (4, 4, 4), (5, 4, 8), (65, 64, 128)])
@@ -53,6 +59,17 @@ def test_capacity_covers_the_rows_for_random_inputs():
 def test_capacity_refuses_factors_that_drop_tokens(factor):
     with pytest.raises(ValueError, match="factor"):
         capacity_from_rows(10, factor)
+
+
+def test_capacity_reciprocal_is_one_over_the_capacity_in_float32():
+    import numpy as np
+
+    for capacity in (1, 3, 4, 96, 100, 4097, 123_456, 2**20 + 12):
+        got = capacity_reciprocal(capacity)
+        assert got == float(np.float32(got)), capacity  # a float32 value: a device multiply takes it as it is
+        assert got == float(np.float32(1) / np.float32(capacity)), capacity  # float32's own division
+    with pytest.raises(ValueError, match="capacity_reciprocal: `capacity` must be >= 1; got 0"):
+        capacity_reciprocal(0)
 
 
 def test_equal_count_padding_aligns_the_local_count():

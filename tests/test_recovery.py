@@ -48,6 +48,12 @@ def _layers(world, **options):
     return capacity, blocking, capacity.token_dispatcher.capacity_manager
 
 
+def _assert_use(use, rows, capacity):
+    """`use` is rows / capacity, to float32's rounding (one last-bit step either way)."""
+    expected = torch.tensor(int(rows) / capacity, dtype=torch.float32)
+    torch.testing.assert_close(use.cpu(), expected, rtol=2.5e-7, atol=0)
+
+
 def _assert_same_step(expected, actual):
     (losses_a, grads_a), (losses_b, grads_b) = expected, actual
     assert all(torch.equal(a, b) for a, b in zip(losses_a, losses_b, strict=True)), (losses_a, losses_b)
@@ -189,15 +195,58 @@ def capacity_use_goes_to_megatrons_moe_metrics(rank, world):
     tracker.clear()
     _step(layer, batches[1:], runner)
     recorded = tracker.metrics[CAPACITY_USE_METRIC].values
-    expected = manager.rows_used.float() / manager.capacity  # the step's one dispatch
-    assert recorded.shape == (1,) and torch.equal(recorded[0], expected), (recorded, expected)
+    assert recorded.shape == (1,)
+    _assert_use(recorded[0], manager.rows_used, manager.capacity)  # the step's one dispatch
     # The largest use on any rank, once per step (times its micro-batches: Megatron's report divides)
     import torch.distributed as dist
 
     uses = [None] * world
-    dist.all_gather_object(uses, float(expected))
+    dist.all_gather_object(uses, float(recorded[0]))
     largest = tracker.metrics[CAPACITY_USE_MAX_METRIC].values
     assert largest.shape == (1,) and float(largest[0]) == max(uses) * len(batches[1:]), (largest, uses)
+    tracker.clear()
+
+
+def capacity_use_max_is_the_largest_recorded_use_to_the_bit(rank, world):
+    """The step's largest use (the step check's one reduction over the layers and ranks) equals the
+    largest use a dispatch recorded, bit for bit, at a capacity where rows / capacity rounds apart
+    from rows x (1 / capacity): computed one way in one place and the other way in the other, a rank's
+    own use could exceed the maximum (CUDA divides a tensor by a host number through its reciprocal,
+    and a tensor by a tensor exactly)."""
+    import torch.distributed as dist
+    from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+
+    from megatron_ext.capacity import capacity_alignment, capacity_reciprocal
+    from megatron_ext.dispatcher import CAPACITY_USE_MAX_METRIC, CAPACITY_USE_METRIC
+    from megatron_ext.recovery import OverflowRerun
+
+    layer, _, manager = _layers(world)
+    runner = OverflowRerun(_forward_backward)
+    batch = step_inputs(rank, 1, 24, HIDDEN, seed=21)  # rows not a power of two (those multiply exactly)
+    _step(layer, batch, runner)  # calibrates
+    _step(layer, batch, runner)  # the rows this batch uses, at the learned capacity
+    rows = [None] * world
+    dist.all_gather_object(rows, int(manager.rows_used))
+    largest_rows = torch.tensor(float(max(rows)))
+    # The first aligned capacity, from the learned one up (no overflow, no growth: the rows stay at or
+    # below the calibrated ones), at which the two ways of computing the largest use differ.
+    step = capacity_alignment(manager.pad_multiple)
+    for capacity in range(manager.capacity, manager.capacity + 1000 * step, step):
+        if not torch.equal(largest_rows / capacity, largest_rows * capacity_reciprocal(capacity)):
+            break  # (on CPU both are what they say: a division, and a product)
+    else:
+        raise AssertionError(f"no capacity from {manager.capacity} rounds {max(rows)} rows apart")
+    manager.capacity = capacity
+    tracker = get_moe_metrics_tracker()
+    tracker.clear()
+    _step(layer, batch, runner)
+    assert runner.reruns == 0 and runner.resizes == 0 and manager.capacity == capacity
+    recorded = tracker.metrics[CAPACITY_USE_METRIC].values[0]
+    _assert_use(recorded, manager.rows_used, capacity)
+    uses = [None] * world
+    dist.all_gather_object(uses, float(recorded))
+    largest = tracker.metrics[CAPACITY_USE_MAX_METRIC].values[0]
+    assert float(largest) == max(uses) and float(recorded) <= float(largest), (largest, uses)
     tracker.clear()
 
 
@@ -372,7 +421,7 @@ def capacity_use_follows_a_layer_numbered_after_it_was_built(rank, world):
     _step(layer, batches[1:], runner)
     recorded = tracker.metrics.pop(CAPACITY_USE_METRIC).values
     assert recorded.shape == (4,) and float(recorded[2]) > 0 and float(recorded.sum()) == float(recorded[2])
-    assert torch.equal(recorded[2], manager.rows_used.float() / manager.capacity)
+    _assert_use(recorded[2], manager.rows_used, manager.capacity)
     largest = tracker.metrics.pop(CAPACITY_USE_MAX_METRIC).values  # in the same row
     assert largest.shape == (4,) and float(largest[2]) >= float(recorded[2])
     assert float(largest.sum()) == float(largest[2])
@@ -555,6 +604,7 @@ CHECKS = (
     no_overflow_no_rerun,
     thin_headroom_grows_the_capacity_before_an_overflow,
     capacity_use_goes_to_megatrons_moe_metrics,
+    capacity_use_max_is_the_largest_recorded_use_to_the_bit,
     calibration_is_logged_once_per_ep_group,
     fail_policy_stops_on_the_device,
 )
