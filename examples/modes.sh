@@ -13,6 +13,11 @@
 #     TE's op-fuser experts (megatron-ext's own compute in bf16 on a GPU; the parse says so).
 #   common_flags: the flags of both modes that every launch script passes; a script adds its
 #     model's sizes and experts, its parallelism, batch, precision, schedule and iterations.
+#   LAYERS: te, local or auto (default): te is Transformer Engine's layers with the fusions TE provides
+#     (fused attention, rope, weight-gradient accumulation into the main gradients; Megatron's
+#     optimizer is then TE's FusedAdam), what users train with; local is Megatron's own layers
+#     without TE or apex (the --no-... flags below switch off what would need them); auto is te
+#     where `import transformer_engine.pytorch` works with $PYTHON, else local.
 #   KERNEL_CACHE: where deep_ep's compiled kernels are kept for the next job
 #     (--moe-hybridep-kernel-cache; default ${XDG_CACHE_HOME:-~/.cache}/megatron-ext/hybrid-ep-kernels,
 #     on a disk the job's nodes share where they have one; KERNEL_CACHE= keeps none).
@@ -48,12 +53,22 @@ require_gpu() {
     exit 2
   fi
 }
+LAYERS=${LAYERS:-auto}
+if [ "$LAYERS" = auto ]; then
+  LAYERS=local
+  [ "$("${PYTHON:-python}" -c 'import transformer_engine.pytorch; print("te")' 2>/dev/null)" = te ] && LAYERS=te
+fi
+case $LAYERS in
+  te) layer_flags=(--transformer-impl transformer_engine) ;;
+  # Without TE, apex or Megatron's CUDA extensions: the fused wgrad accumulation, masked softmax and
+  # rope kernels are missing, and torch's norm refuses the persistent layer norm.
+  local) layer_flags=(--transformer-impl local --no-gradient-accumulation-fusion --no-masked-softmax-fusion
+    --no-persist-layer-norm --no-rope-fusion) ;;
+  *) echo "LAYERS must be te, local or auto, not '$LAYERS'" >&2; exit 2 ;;
+esac
 common_flags=(
-  --transformer-impl local
-  # Without apex or Megatron's CUDA extensions: the fused wgrad accumulation and masked softmax
-  # kernels are missing, and torch's norm refuses the persistent layer norm.
-  --no-gradient-accumulation-fusion --no-masked-softmax-fusion --no-persist-layer-norm
-  --position-embedding-type rope --no-rope-fusion --normalization RMSNorm --swiglu
+  "${layer_flags[@]}"
+  --position-embedding-type rope --normalization RMSNorm --swiglu
   --disable-bias-linear --untie-embeddings-and-output-weights
   --attention-dropout 0 --hidden-dropout 0
   --moe-grouped-gemm --moe-router-load-balancing-type aux_loss

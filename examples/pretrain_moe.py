@@ -120,6 +120,7 @@ with quiet_imports_in_a_dry_run():
     from megatron_ext.patches._moe_layer import check_experts, select_experts
 
 SHIFT_AT, SHIFT_BIAS = "--example-shift-routing-at", "--example-shift-routing-bias"
+EXPERTS = "--example-experts"
 # What the dry run tells validate_args when it asks the GPU (it never asks the real one).
 ASSUMED_COMPUTE_CAPABILITY = (9, 0)
 
@@ -148,6 +149,16 @@ def add_arguments(parser):
         help=f"The logit added by {SHIFT_AT} (default 0.3: an estimate that about doubles expert 0's share "
         "of top-2 of 8 at this example's start, router logits of std ~0.45; the logged load-balancing "
         "loss shows what it did).",
+    )
+    group.add_argument(
+        EXPERTS,
+        choices=("spec", "megatron-ext"),
+        default="spec",
+        help="The experts of every MoE layer with --moe-grouped-gemm: `spec` (default), those the layer spec "
+        "names (Transformer Engine's TEGroupedMLP with TE's layers; megatron-ext's GroupedMLP with the local "
+        "spec, which has no grouped experts); `megatron-ext`, megatron-ext's GroupedMLP in any spec, the "
+        "experts capacity mode builds, so that a blocking run computes what a capacity-mode run computes, "
+        "bit for bit.",
     )
     # Adds megatron-ext's flags only where the patch has not (it checks); always adds their checks.
     return refuse_two_precisions(escape_stray_percent(megatron_ext.arguments.extra_args_provider(parser)))
@@ -238,18 +249,21 @@ def use_local_spec(args) -> bool:
 def layer_spec(args, config):
     """The spec of every layer: attention and a MoE MLP."""
     if not use_local_spec(args):
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+        spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
             num_experts=config.num_moe_experts,
             moe_grouped_gemm=config.moe_grouped_gemm,
             qk_layernorm=config.qk_layernorm,
         )
-    spec = gpt_layer_specs.get_gpt_layer_local_spec(
-        num_experts=config.num_moe_experts,
-        moe_grouped_gemm=config.moe_grouped_gemm,
-        qk_layernorm=config.qk_layernorm,
-        normalization=config.normalization,
-    )
-    if config.moe_grouped_gemm:
+        ours = getattr(args, "example_experts", "spec") == "megatron-ext"
+    else:
+        spec = gpt_layer_specs.get_gpt_layer_local_spec(
+            num_experts=config.num_moe_experts,
+            moe_grouped_gemm=config.moe_grouped_gemm,
+            qk_layernorm=config.qk_layernorm,
+            normalization=config.normalization,
+        )
+        ours = True  # the local spec has no grouped experts
+    if config.moe_grouped_gemm and ours:
         moe = spec.submodules.mlp  # functools.partial(MoELayer, submodules=MoESubmodules(...))
         submodules = dataclasses.replace(moe.keywords["submodules"], experts=GroupedMLP)
         spec.submodules.mlp = functools.partial(moe, submodules=submodules)

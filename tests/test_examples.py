@@ -10,6 +10,8 @@ interpreter (and stand-in `srun`/`scontrol`) that records its arguments instead 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import importlib.util
 import os
 import re
@@ -30,7 +32,7 @@ DRY_RUN_FLAG = "--megatron-ext-dry-run"
 SCRIPT_VARS = (
     *("MODE", "PRECISION", "GPUS", "DRY_RUN", "PYTHON", "WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_PORT"),
     *("TOKENS", "HIDDEN", "EXPERTS", "TOPK"),
-    *("RANKS", "RANKS_PER_GPU", "PP", "VPP", "CAPACITY_FACTOR", "KERNEL_CACHE"),
+    *("RANKS", "RANKS_PER_GPU", "PP", "VPP", "CAPACITY_FACTOR", "KERNEL_CACHE", "LAYERS"),
 )
 SLURM = {"SLURM_NNODES": "3", "SLURM_JOB_NODELIST": "node[01-03]", "SLURM_JOB_ID": "42"}
 
@@ -691,3 +693,55 @@ def test_the_routing_shift_raises_expert_0_from_its_iteration_on(example, monkey
     for shifted in seen[1:]:
         assert torch.equal(shifted[:, 1:], logits[:, 1:])
         assert torch.equal(shifted[:, 0], logits[:, 0] + 0.3)
+
+
+@pytest.mark.parametrize(
+    "layers, present, absent",
+    [
+        ("te", ["transformer_engine"], ["--no-gradient-accumulation-fusion", "--no-rope-fusion"]),
+        ("local", ["local", "--no-gradient-accumulation-fusion", "--no-rope-fusion", "--no-persist-layer-norm"], []),
+        # auto: the stand-in interpreter prints no "te" for TE's import, as a machine without TE.
+        ("auto", ["local", "--no-gradient-accumulation-fusion"], ["transformer_engine"]),
+    ],
+)
+def test_layers_choose_tes_layers_with_tes_fusions_or_local_ones_without(stubs, tmp_path, layers, present, absent):
+    _, argv = recorded_command(stubs, tmp_path, "smoke_1gpu.sh", DRY_RUN="1", LAYERS=layers)
+    impl = argv[argv.index("--transformer-impl") + 1]
+    assert impl == present[0] and argv.count("--transformer-impl") == 1
+    assert all(flag in argv for flag in present[1:]) and not any(flag in argv for flag in absent)
+
+
+def test_layers_refuses_an_unknown_value_in_one_line(stubs, tmp_path):
+    env = script_env(PYTHON=str(stubs / "python"), RECORD=str(tmp_path / "r"), DRY_RUN="1", LAYERS="apex")
+    result = subprocess.run(["bash", str(EXAMPLES / "smoke_1gpu.sh")], env=env, capture_output=True, text=True)
+    assert result.returncode == 2 and result.stderr == "LAYERS must be te, local or auto, not 'apex'\n"
+
+
+def test_example_experts_puts_megatron_ext_experts_in_tes_spec(example, monkeypatch):
+    # TE's spec cannot be built without TE: the local spec with a stand-in for TE's experts takes its
+    # place, as get_gpt_layer_with_transformer_engine_spec builds it (a partial of MoELayer).
+    from types import SimpleNamespace
+
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    class TEGroupedStandIn:
+        pass
+
+    def te_spec(**kwargs):
+        spec = gpt_layer_specs.get_gpt_layer_local_spec(**kwargs)
+        moe = spec.submodules.mlp
+        spec.submodules.mlp = functools.partial(
+            moe, submodules=dataclasses.replace(moe.keywords["submodules"], experts=TEGroupedStandIn)
+        )
+        return spec
+
+    monkeypatch.setattr(example, "use_local_spec", lambda args: False)
+    monkeypatch.setattr(example.gpt_layer_specs, "get_gpt_layer_with_transformer_engine_spec", te_spec)
+    config = SimpleNamespace(num_moe_experts=8, moe_grouped_gemm=True, qk_layernorm=False)
+    experts = {
+        choice: example.layer_spec(SimpleNamespace(example_experts=choice), config)
+        .submodules.mlp.keywords["submodules"]
+        .experts
+        for choice in ("spec", "megatron-ext")
+    }
+    assert experts["spec"] is TEGroupedStandIn and experts["megatron-ext"] is example.GroupedMLP

@@ -110,12 +110,12 @@ def test_short_name_drops_templates_and_parameters():
 ARGS = "  global_batch_size ............................... 2\n  seq_length ...................................... 4096\n  world_size ...................................... 1\n"  # noqa: E501
 
 
-def _log(times: list[float], losses: list[str], peak: int) -> str:
+def _log(times: list[float], losses: list[str], peak: int, norms: list[float] | None = None) -> str:
     lines = [ARGS]
-    for i, (ms, loss) in enumerate(zip(times, losses), start=1):
+    for i, (ms, loss, norm) in enumerate(zip(times, losses, norms or [2.0] * len(times)), start=1):
         lines.append(
             f" [2026-12-04 17:00:00] iteration {i:8d}/{len(times):8d} | elapsed time per iteration (ms): {ms} "
-            f"| lm loss: {loss} | load_balancing_loss: 1.0E+00 | grad norm: 2.0 |"
+            f"| lm loss: {loss} | load_balancing_loss: 1.0E+00 | grad norm: {norm} |"
         )
     lines.append(f"megatron-ext example: rank 0: peak GPU memory allocated {peak} MiB, reserved {peak + 10} MiB")
     return "\n".join(lines)
@@ -148,7 +148,11 @@ def test_train_shapes_compares_runs_over_the_iterations_before_the_profile(tmp_p
     assert list(rows) == ["blocking", "capacity-eager", "stock"]  # in the order they ran
     blocking, capacity, stock = rows["blocking"], rows["capacity-eager"], rows["stock"]
     assert blocking[1] == "reference" and stock[1] == "identical"
-    assert capacity[1].startswith("differs: iteration 13: lm loss")
+    # 10 - 12 x 0.1 logged against 1.0: its largest relative deviation, the grad norms equal.
+    assert (
+        capacity[1]
+        == f"differs from iteration 13: lm loss {(8.8 - 1.0) / 8.8:.1e}, grad norm 0.0e+00 (largest relative)"
+    )
     assert blocking[2] == "205.0" and capacity[2] == "102.5" and stock[2] == "410.0"  # medians of 11-12
     assert capacity[3] == f"{2 * 4096 / 0.1025:,.0f}"  # tokens/s: global batch x sequence / step
     assert blocking[4] == "0.0" and blocking[5] == f"{205.0 / 0.030:.2f}x"  # step over GPU-busy time
@@ -157,6 +161,66 @@ def test_train_shapes_compares_runs_over_the_iterations_before_the_profile(tmp_p
     assert "| elementwise | 0.02 |" in text
     assert record["runs"]["capacity-eager"]["peak_mib"] == 3072
     assert record["runs"]["blocking"]["profile"]["iterations"] == 2
+
+
+def _grad_norm_log(grad_norms: list[float], losses: list[float]) -> str:
+    return _log([100.0] * len(losses), [f"{x:.6E}" for x in losses], 1024, grad_norms)
+
+
+def test_train_shapes_measures_runs_on_other_kernels_against_stocks_deviation(tmp_path):
+    # Stock strays from blocking by 1 % in loss and 10 % in grad norm; one run stays within that,
+    # one goes beyond it in grad norm alone; a skipped run is named with its reason, in --runs order.
+    losses, norms = [4.0, 3.0, 2.0], [10.0, 10.0, 10.0]
+    _write_run(tmp_path, "q", "blocking", _grad_norm_log(norms, losses), 1)
+    _write_run(tmp_path, "q", "stock", _grad_norm_log([10.0, 11.0, 10.0], [4.0, 3.0, 2.02]), 2)
+    _write_run(tmp_path, "q", "near", _grad_norm_log([10.0, 10.5, 10.0], [4.0, 3.0, 2.01]), 3)
+    _write_run(tmp_path, "q", "far", _grad_norm_log([10.0, 10.0, 12.0], [4.0, 3.0, 2.0]), 4)
+    _write_run(tmp_path, "q", "twin", _grad_norm_log(norms, losses), 5)
+    (tmp_path / "train-q-budget.skipped").write_text("skipped budget: needs Transformer Engine's layers\n")
+    # A log of another shape whose name starts like this one's is no run of it.
+    _write_run(tmp_path, "q-e64", "blocking", _grad_norm_log(norms, losses), 6)
+    runs = ["blocking", "stock", "budget", "near", "far", "twin"]
+    text, record = train_shapes.report(tmp_path, "q", None, runs, {"layers": "te", "micro_batches": 8})
+    rows = {line.split("|")[1].strip(): line.split("|")[3].strip() for line in text.splitlines()[2:7]}
+    assert list(rows) == ["blocking", "stock", "near", "far", "twin"]
+    assert rows["twin"] == "identical"
+    assert rows["stock"] == "differs from iteration 2: lm loss 1.0e-02, grad norm 1.0e-01 (largest relative)"
+    assert rows["near"].endswith(", within stock's") and rows["near"].startswith(
+        "differs from iteration 2: lm loss 5.0e-03"
+    )
+    assert rows["far"].endswith(", beyond stock's") and "grad norm 2.0e-01" in rows["far"]
+    assert "skipped budget: skipped budget: needs Transformer Engine's layers" in text
+    assert record["setup"] == {"layers": "te", "micro_batches": 8}
+    assert record["runs"]["budget"] == {
+        "run": "budget",
+        "status": "skipped",
+        "why": "skipped budget: needs Transformer Engine's layers",
+    }
+    assert record["runs"]["twin"]["losses"] == "identical" and record["runs"]["blocking"]["losses"] == "reference"
+    far = record["runs"]["far"]["losses"]
+    assert far["from_iteration"] == 3 and far["lm loss"] == 0.0 and abs(far["grad norm"] - 0.2) < 1e-12
+    assert record["runs"]["stock"]["lm_loss"] == {1: 4.0, 2: 3.0, 3: 2.02}
+    with pytest.raises(FileNotFoundError, match="no train-q-missing.log"):
+        train_shapes.report(tmp_path, "q", None, ["blocking", "missing"])
+
+
+def test_train_shapes_setup_names_the_stack(monkeypatch):
+    monkeypatch.setattr(train_shapes, "_version", lambda *names: f"v-{names[0]}")
+    got = train_shapes.setup("te", 8, 4096)
+    assert got["layers"] == "te" and got["micro_batches"] == 8 and got["sequence"] == 4096
+    assert got["megatron_core"] == "v-megatron-core" and got["transformer_engine"] == "v-transformer-engine"
+    assert got["card"] == "cpu" and got["implementation"] in ("deep_ep", "torch") and got["commit"]
+    assert set(got) == {
+        "card",
+        "megatron_core",
+        "transformer_engine",
+        "deep_ep",
+        "implementation",
+        "layers",
+        "micro_batches",
+        "sequence",
+        "commit",
+    }
 
 
 def test_train_shapes_without_logs_says_so(tmp_path):

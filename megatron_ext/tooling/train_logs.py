@@ -79,16 +79,38 @@ def first_difference(reference: dict, other: dict) -> str | None:
     if not reference:
         return "the reference logged no iterations"
     common = sorted(reference.keys() & other.keys())
-    for iteration in common:
-        for name in COMPARED:
-            a, b = reference[iteration].get(name), other[iteration].get(name)
-            if a != b:
-                return f"iteration {iteration}: {name} {a} against {b}"
+    iteration = first_differing_iteration(reference, other)
+    if iteration is not None:
+        name = next(n for n in COMPARED if reference[iteration].get(n) != other[iteration].get(n))
+        return f"iteration {iteration}: {name} {reference[iteration].get(name)} against {other[iteration].get(name)}"
     if sorted(reference) != sorted(other):
         return (
             f"logged iterations differ: {len(reference)} against {len(other)} "
             f"(the same at the {len(common)} both logged)"
         )
+    return None
+
+
+def relative_deviation(reference: dict, other: dict) -> dict[str, float | None]:
+    """The largest |other - reference| / |reference| of the lm loss and of the grad norm over the
+    iterations both logged ({"lm loss": ..., "grad norm": ...}; None where they share no value):
+    how far a run on other kernels strays from the reference, as one number each."""
+    deviation: dict[str, float | None] = {}
+    for key in (COMPARED[0], COMPARED[2]):
+        gaps = [
+            abs(float(other[i][key]) - float(reference[i][key])) / max(abs(float(reference[i][key])), 1e-30)
+            for i in sorted(reference.keys() & other.keys())
+            if key in reference[i] and key in other[i]
+        ]
+        deviation[key] = max(gaps) if gaps else None
+    return deviation
+
+
+def first_differing_iteration(reference: dict, other: dict) -> int | None:
+    """The first iteration both logged where a value of `COMPARED` differs, or None."""
+    for iteration in sorted(reference.keys() & other.keys()):
+        if any(reference[iteration].get(name) != other[iteration].get(name) for name in COMPARED):
+            return iteration
     return None
 
 

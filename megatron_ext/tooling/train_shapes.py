@@ -3,28 +3,45 @@
     python -m megatron_ext.tooling.train_shapes --profile-start S DIR SHAPE [--json OUT]
 
 reads what `.ci/gpu-suite train-shapes` leaves in DIR for SHAPE: each run's log
-(`train-SHAPE-RUN.log`) and, where it was profiled, its trace
-(`prof-SHAPE-RUN/torch_profile/rank-0.json.gz`, Megatron's `--profile --use-pytorch-profiler`
-from iteration S). Prints a markdown table: per run, whether its losses and grad norms equal the
-blocking run's at every iteration, the median ms per iteration over the iterations after the first
+(`train-SHAPE-RUN.log`), or why it was skipped (`train-SHAPE-RUN.skipped`), and, where it was
+profiled, its trace (`prof-SHAPE-RUN/torch_profile/rank-0.json.gz`, Megatron's `--profile
+--use-pytorch-profiler` from iteration S); `--runs` names the runs (default: every log of SHAPE).
+Prints a markdown table: per run, whether its losses and grad norms equal the blocking run's at
+every iteration, else from which iteration they differ and their largest relative deviation from
+it (the stock run's deviation, on other kernels, is the yardstick for any run on other kernels),
+the median ms per iteration over the iterations after the first
 `SKIP_ITERS` and before the profiled ones, tokens/s, the GPU-busy ms per iteration (profiled), the
 step's time over its GPU-busy time (above 1: the GPU waited for the host), the host's
 synchronisations per iteration, its peak memory, and the time against the blocking and the stock
-runs; then the GPU time per kernel category of every run, and the largest kernels of each.
+runs; then the GPU time per kernel category of every run, and the largest kernels of each. The
+JSON record carries a `setup` object: the card, the versions of megatron-core, Transformer Engine
+and deep_ep, the HybridEP implementation megatron-ext's runs used, the layers (`te` or `local`),
+micro-batches, sequence length and the repository's commit.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
+import importlib.util
 import json
 import re
 import statistics
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any, Optional
 
 from megatron_ext.tooling import loop_profile
-from megatron_ext.tooling.train_logs import SKIP_ITERS, first_difference, parse_log, step_ms, tokens_per_step_and_gpus
+from megatron_ext.tooling.train_logs import (
+    SKIP_ITERS,
+    first_difference,
+    first_differing_iteration,
+    parse_log,
+    relative_deviation,
+    step_ms,
+    tokens_per_step_and_gpus,
+)
 
 PEAK = re.compile(r"peak GPU memory allocated (\d+) MiB")
 REFERENCE, STOCK = "blocking", "stock"
@@ -34,6 +51,75 @@ def run_names(directory: Path, shape: str) -> list[str]:
     """The runs logged for `shape` in `directory`, in the order they ran (by file time)."""
     logs = sorted(directory.glob(f"train-{shape}-*.log"), key=lambda p: p.stat().st_mtime)
     return [p.stem.removeprefix(f"train-{shape}-") for p in logs]
+
+
+def _version(*distributions: str) -> Optional[str]:
+    for name in distributions:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def setup(layers: str, micro_batches: Optional[int], sequence: Optional[int]) -> dict[str, Any]:
+    """What ran the runs: this machine's card and packages, and the loop's settings as given."""
+    import torch
+
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        commit = None
+    return {
+        "card": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+        "megatron_core": _version("megatron-core", "megatron_core"),
+        "transformer_engine": _version("transformer-engine", "transformer_engine"),
+        "deep_ep": _version("deep-ep", "deep_ep"),
+        # What --moe-hybridep-implementation auto picks for megatron-ext's runs.
+        "implementation": "deep_ep" if importlib.util.find_spec("deep_ep") else "torch",
+        "layers": layers,
+        "micro_batches": micro_batches,
+        "sequence": sequence,
+        "commit": commit,
+    }
+
+
+def compare(reference: Optional[dict], name: str, iterations: dict) -> Any:
+    """A run's losses and grad norms against the reference's: "reference", "identical", or where and
+    how far they part ({"first_difference": ..., "lm loss": largest relative deviation, "grad norm": ...})."""
+    if name == REFERENCE:
+        return "reference"
+    if reference is None:
+        return None
+    diff = first_difference(reference, iterations)
+    if diff is None:
+        return "identical"
+    return {"first_difference": diff, "from_iteration": first_differing_iteration(reference, iterations)} | (
+        relative_deviation(reference, iterations)
+    )
+
+
+def _series(iterations: dict, key: str) -> dict[int, Optional[float]]:
+    """{iteration: value} of one logged field, for the record's curves."""
+    return {i: float(f[key]) if key in f else None for i, f in sorted(iterations.items())}
+
+
+def _losses_cell(losses: Any, yardstick: Any) -> str:
+    if losses is None:
+        return "-"
+    if isinstance(losses, str):
+        return losses
+    loss, norm = losses["lm loss"], losses["grad norm"]
+    if loss is None:
+        return f"differs: {losses['first_difference']}"
+    first = losses["from_iteration"]
+    cell = f"differs from iteration {first}: lm loss {loss:.1e}, grad norm {norm:.1e} (largest relative)"
+    if isinstance(yardstick, dict) and yardstick is not losses and yardstick["lm loss"] is not None:
+        within = loss <= yardstick["lm loss"] and norm <= yardstick["grad norm"]
+        cell += ", within stock's" if within else ", beyond stock's"
+    return cell
 
 
 def run_record(directory: Path, shape: str, name: str, profile_start: Optional[int]) -> dict[str, Any]:
@@ -63,14 +149,30 @@ def _num(value: Optional[float], fmt: str) -> str:
     return "-" if value is None else format(value, fmt)
 
 
-def report(directory: Path, shape: str, profile_start: Optional[int]) -> tuple[str, dict[str, Any]]:
-    """(markdown, JSON record) of `shape`'s runs in `directory`."""
-    names = run_names(directory, shape)
-    if not names:
-        raise FileNotFoundError(f"no train-{shape}-*.log in {directory}")
+def report(
+    directory: Path,
+    shape: str,
+    profile_start: Optional[int],
+    runs: Optional[list[str]] = None,
+    run_setup: Optional[dict[str, Any]] = None,
+) -> tuple[str, dict[str, Any]]:
+    """(markdown, JSON record) of `shape`'s runs in `directory` (`runs`, or every run logged)."""
+    names = run_names(directory, shape) if runs is None else list(runs)
+    skipped = {}
+    for name in names:
+        note = directory / f"train-{shape}-{name}.skipped"
+        if note.is_file() and not (directory / f"train-{shape}-{name}.log").is_file():
+            skipped[name] = note.read_text().strip()
+    names = [name for name in names if name not in skipped]
+    missing = [name for name in names if not (directory / f"train-{shape}-{name}.log").is_file()]
+    if not names or missing:
+        raise FileNotFoundError(f"no train-{shape}-{(missing or ['*'])[0]}.log in {directory}")
     records = {name: run_record(directory, shape, name, profile_start) for name in names}
     reference = records.get(REFERENCE)
     stock = records.get(STOCK)
+    for name, r in records.items():
+        r["losses"] = compare(reference and reference["iterations"], name, r["iterations"])
+    yardstick = stock and stock["losses"]
     lines = [
         f"| run | iterations | losses, grad norms against {REFERENCE} | ms/iteration | tokens/s | GPU busy "
         "ms/iteration | step / GPU busy | host syncs/iteration | peak memory GiB | against blocking "
@@ -78,11 +180,7 @@ def report(directory: Path, shape: str, profile_start: Optional[int]) -> tuple[s
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for name, r in records.items():
-        if reference is None or name == REFERENCE:
-            same = "reference" if name == REFERENCE else "-"
-        else:
-            diff = first_difference(reference["iterations"], r["iterations"])
-            same = "identical" if diff is None else f"differs: {diff}"
+        same = _losses_cell(r["losses"], yardstick)
         p = r["profile"]
         busy = p["gpu_busy_ms"] if p else None
         lines.append(
@@ -119,14 +217,19 @@ def report(directory: Path, shape: str, profile_start: Optional[int]) -> tuple[s
             )
             + " |"
         )
+    lines += [f"\nskipped {name}: {why}" for name, why in skipped.items()]
     record = {
+        "setup": run_setup,
         "shape": shape,
         "profile_start": profile_start,
         "skip_iterations": SKIP_ITERS,
         "runs": {
-            name: {k: v for k, v in r.items() if k != "iterations"} | {"iterations_logged": len(r["iterations"])}
+            name: {k: v for k, v in r.items() if k != "iterations"}
+            | {"iterations_logged": len(r["iterations"])}
+            | {key.replace(" ", "_"): _series(r["iterations"], key) for key in ("lm loss", "grad norm")}
             for name, r in records.items()
-        },
+        }
+        | {name: {"run": name, "status": "skipped", "why": why} for name, why in skipped.items()},
     }
     return "\n".join(lines), record
 
@@ -142,9 +245,19 @@ def main(argv: list[str] | None = None) -> int:
         "--profile-start", type=int, default=None, help="the first profiled iteration: the median stops before it"
     )
     parser.add_argument("--json", type=Path, default=None, help="also write the figures, every kernel's too, here")
+    parser.add_argument("--runs", nargs="+", default=None, help="the runs, in order (default: every log of SHAPE)")
+    parser.add_argument("--layers", choices=("te", "local"), default="local", help="the layers the runs trained")
+    parser.add_argument("--micro-batches", type=int, default=None, help="micro-batches a step, for the setup record")
+    parser.add_argument("--sequence", type=int, default=None, help="sequence length, for the setup record")
     args = parser.parse_args(argv)
     try:
-        text, record = report(args.directory, args.shape, args.profile_start)
+        text, record = report(
+            args.directory,
+            args.shape,
+            args.profile_start,
+            args.runs,
+            setup(args.layers, args.micro_batches, args.sequence),
+        )
     except FileNotFoundError as exc:
         parser.error(str(exc))
     print(text)
