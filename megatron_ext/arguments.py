@@ -14,7 +14,6 @@ line names the flag meant, when one is close.
 from __future__ import annotations
 
 import argparse
-import difflib
 import re
 import sys
 from dataclasses import fields
@@ -25,6 +24,7 @@ from megatron_ext.options import (
     HybridEPConfigError,
     check_parsed_precision,
     flag,
+    near_miss,
     validate,
 )
 
@@ -77,8 +77,8 @@ def _near_misses(parser: argparse.ArgumentParser, message: str) -> str:
         return ""
     known = [option for option in parser._option_string_actions if option.startswith("--")]
     given = re.findall(r"(?<!\S)--[\w-]+", message)
-    closest = {g: difflib.get_close_matches(g, known, n=1, cutoff=0.85) for g in given}
-    meant = {g: close[0] for g, close in closest.items() if close}
+    closest = {g: near_miss(g, known, cutoff=0.85) for g in given}
+    meant = {g: close for g, close in closest.items() if close}
     if not meant:
         return f"; {parser.prog} --help lists the flags"
     if len(given) == 1:

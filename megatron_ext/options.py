@@ -55,18 +55,32 @@ from megatron_ext.option_fields import (  # noqa: F401 (re-exported: config.py, 
     OverflowPolicy,
     Transport,
     flag,
+    near_miss,
 )
 
 
+# The largest capacity factor accepted. A rank of an EP group of W ranks receives at most W times
+# its balanced share of rows, and an overflow grows a capacity anyway (the re-run policy), so no
+# layout needs more; a larger factor only sizes buffers that cannot be allocated (1e300 rows).
+MAX_CAPACITY_FACTOR = 100.0
+
+
 def check_capacity_factor(factor: Any, name: str = CAPACITY_FACTOR_FLAG) -> float:
-    """`factor` if it is a finite number >= 1.0 (a capacity that cannot drop tokens), else raise.
+    """`factor` if it is a finite number from 1.0 (a capacity that cannot drop tokens) to
+    MAX_CAPACITY_FACTOR (buffers that can be sized), else raise.
 
     The one check of a capacity factor: the config, the argument parsers (Megatron's, the bench's,
     the round trip's) and `capacity_from_rows` all call it. Raises `HybridEPConfigError` (a
     ValueError) naming `name`, the flag or argument the factor came from, and the fix.
     """
+    accepted = f"use a number from 1.0 to {MAX_CAPACITY_FACTOR:g} (1.5 is a good start)"
     if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not math.isfinite(factor):
-        raise HybridEPConfigError(f"{name} must be a finite number >= 1.0; got {factor!r}.")
+        raise HybridEPConfigError(f"{name} {factor!r} is not a finite number; {accepted}.")
+    if factor > MAX_CAPACITY_FACTOR:
+        raise HybridEPConfigError(
+            f"{name} {factor:g} would size each layer's buffers to {factor:g} times its calibrated rows, more than "
+            f"any expert-parallel layout can receive; {accepted}: an overflow grows the room where needed."
+        )
     if factor < 1.0:
         unset = ", or leave it unset for the blocking dispatch" if name == CAPACITY_FACTOR_FLAG else ""
         raise HybridEPConfigError(

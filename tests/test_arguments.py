@@ -637,7 +637,7 @@ def test_patched_parse_args_refuses_a_non_number_factor(patched, monkeypatch, ca
 def test_patched_parse_args_refuses_a_non_finite_factor(patched, monkeypatch, capsys):
     err = parse_error(patched, monkeypatch, capsys, "--moe-hybridep-capacity-factor", "inf")
 
-    assert "--moe-hybridep-capacity-factor must be a finite number >= 1.0" in err
+    assert "--moe-hybridep-capacity-factor inf is not a finite number; use a number from 1.0 to 100" in err
 
 
 def test_patched_parse_args_accepts_megatrons_negative_expert_capacity_factor(patched, monkeypatch):

@@ -186,36 +186,64 @@ def parse(argv=None) -> argparse.Namespace:
         p.error(f"--topk {args.topk} must be between 1 and --experts ({args.experts})")
     if args.experts % args.world_size:
         p.error(f"--experts {args.experts} must be divisible by the {args.world_size} ranks (one EP group)")
+    names = None
+    if args.modes:  # "blocking, capacity+equal": the spaces around a name are not part of it
+        names = [name.strip() for name in args.modes.split(",") if name.strip()]
+        if not names:
+            p.error(f"--modes {args.modes!r} names no mode; give comma-separated names (--help lists them)")
     try:
-        args.selected = select(args.modes.split(",") if args.modes else None, args.capacity_factor, args.fp8_recipe)
+        args.selected = select(names, args.capacity_factor, args.fp8_recipe)
     except ValueError as error:
         p.error(str(error))
     if args.plot:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            p.error("--plot needs matplotlib: pip install 'megatron-ext[plot]'")
+        _check_plot_format(p, args.plot)
     if not cuda:
         _check_host_memory(p, args)
-    for option in ("json", "plot"):  # before the run, not after it
-        path = getattr(args, option)
-        if path is not None and not _writable(path):
-            p.error(f"--{option} {path}: cannot write there (its folder is missing or read-only)")
+    _check_outputs(p, args)
     return args
 
 
-def _writable(path: str) -> bool:
-    """Whether a file can be written at `path` (an existing file stays untouched)."""
+def _check_plot_format(p: argparse.ArgumentParser, path: str) -> None:
+    """--plot: matplotlib importable, and a suffix it writes (it picks the format by the suffix, and
+    adds .png to a name without one, so the file would not be where the run says it wrote it)."""
+    try:
+        from matplotlib.backend_bases import FigureCanvasBase
+    except ImportError:
+        p.error("--plot needs matplotlib: pip install 'megatron-ext[plot]'")
+    formats = FigureCanvasBase.get_supported_filetypes()
+    suffix = os.path.splitext(path)[1][1:].lower()
+    if suffix not in formats:
+        what = f"a .{suffix} file" if suffix else "a file without a suffix"
+        p.error(
+            f"--plot {path}: matplotlib cannot write {what}; end the name in .png (or .{', .'.join(sorted(formats))})"
+        )
+
+
+def _check_outputs(p: argparse.ArgumentParser, args) -> None:
+    """--json and --plot, before the run, not after it: each a file that can be written, and not the same."""
+    paths = {option: getattr(args, option) for option in ("json", "plot") if getattr(args, option) is not None}
+    for option, path in paths.items():
+        problem = _unwritable(path)
+        if problem is not None:
+            p.error(f"--{option} {path}: {problem}")
+    if len(paths) == 2 and os.path.realpath(paths["json"]) == os.path.realpath(paths["plot"]):
+        p.error(f"--plot {args.plot}: --json {args.json} writes there too; give each output its own file")
+
+
+def _unwritable(path: str) -> str | None:
+    """Why a file cannot be written at `path`, or None when it can (an existing file stays untouched)."""
     if os.path.isdir(path):
-        return False
+        return "is a folder; give a file name (in it, or anywhere writable)"
     if os.path.exists(path):
-        return os.access(path, os.W_OK)
+        return None if os.access(path, os.W_OK) else "cannot write there (the file is read-only)"
     folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        return f"cannot write there (its folder {folder} does not exist)"
     try:  # a file made and removed: os.access answers yes to root in folders like /proc
         with tempfile.TemporaryFile(dir=folder):
-            return True
+            return None
     except OSError:
-        return False
+        return f"cannot write there (no file can be made in its folder {folder})"
 
 
 def _available_bytes() -> int | None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from megatron_ext.options import COMPACT_ROUTING_FLAG, FP8_RECIPES, STATIC_SPLITS_FLAG
+from megatron_ext.options import COMPACT_ROUTING_FLAG, FP8_RECIPES, STATIC_SPLITS_FLAG, near_miss
 
 FLEX = dict(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="hybridep")
 
@@ -314,7 +314,9 @@ def select(names: list[str] | None, capacity_factor: float, fp8_recipe: str | No
     if unknown:
         fp8 = {m.name for m in fp8_modes(capacity_factor, "tensorwise")}
         hint = " (the fp8 modes need --fp8-recipe)" if fp8_recipe is None and set(unknown) & fp8 else ""
-        raise ValueError(f"--modes: unknown mode(s) {', '.join(unknown)}{hint}; choose from {', '.join(sorted(known))}")
+        meant = {n: near_miss(n, known) for n in unknown if n not in fp8}
+        said = [f"{n!r} (did you mean {meant[n]}?)" if meant.get(n) else repr(n) for n in unknown]
+        raise ValueError(f"--modes: unknown mode(s) {', '.join(said)}{hint}; choose from {', '.join(sorted(known))}")
     wanted = set(names) | {BLOCKING}
     wanted |= {m.reference for m in modes if m.name in wanted}
     return tuple(m for m in modes if m.name in wanted)
