@@ -58,7 +58,6 @@ from megatron_ext.option_fields import (  # noqa: F401 (re-exported: config.py, 
     near_miss,
 )
 
-
 # The largest capacity factor accepted. A rank of an EP group of W ranks receives at most W times
 # its balanced share of rows, and an overflow grows a capacity anyway (the re-run policy), so no
 # layout needs more; a larger factor only sizes buffers that cannot be allocated (1e300 rows).
