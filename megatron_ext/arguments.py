@@ -21,6 +21,7 @@ from typing import NoReturn
 
 from megatron_ext.logs import first_rank
 from megatron_ext.options import (
+    CONFIG_PREFIX,
     HybridEPConfigError,
     check_parsed_precision,
     flag,
@@ -32,15 +33,37 @@ GROUP_TITLE = "megatron-ext HybridEP dispatch"
 
 
 def refuse(parser: argparse.ArgumentParser, message: str) -> NoReturn:
-    """Stop the parse as argparse does (exit status 2), saying `<prog>: error: <message>` alone.
+    """Stop the parse as argparse does (exit status 2), saying `<prog>: error: <message>` alone."""
+    stop(parser.prog, message)
+
+
+def stop(prog: str, message: str) -> NoReturn:
+    """Exit with status 2, saying `<prog>: error: <message>` alone: a refusal before any work.
 
     No usage block, and said once per job: the job's first rank prints the line to stderr
     (`megatron_ext.logs.first_rank`), every other rank exits 2 without a word.
     """
     if first_rank():
-        sys.stderr.write(f"{parser.prog}: error: {message}\n")
+        sys.stderr.write(f"{prog}: error: {message}\n")
         sys.stderr.flush()
     sys.exit(2)
+
+
+def check_script_arguments(prog: str, argv: list[str]) -> None:
+    """Parse a training script's `argv` with Megatron's parser (patched: megatron-ext's flags and
+    checks) before the script runs, refusing as the script's own parse would (one line, exit 2).
+
+    The script may add flags of its own (`extra_args_provider`): those unknown here pass, but for
+    a `--moe-hybridep-` flag, which can only be a mistyped one of megatron-ext's.
+    """
+    from megatron.training.arguments import add_megatron_arguments
+
+    parser = add_megatron_arguments(argparse.ArgumentParser(prog=prog, allow_abbrev=False))
+    install_validation(parser)
+    _, unknown = parser.parse_known_args(argv)
+    ours = [a.split("=", 1)[0] for a in unknown if a.startswith(flag(CONFIG_PREFIX))]
+    if ours:
+        parser.error(f"unrecognized arguments: {' '.join(ours)}")
 
 
 def install_validation(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
