@@ -42,7 +42,11 @@ def main(argv: list[str] | None = None) -> None:
         import megatron_ext.patches
         from megatron_ext.arguments import check_script_arguments
 
-        megatron_ext.patches.apply()
+        patches = megatron_ext.patches
+        try:
+            patches.apply()
+        except (patches.UnsupportedMegatronError, patches.UnsupportedTorchError, patches.MovedSymbolError) as error:
+            stop(PROG, str(error))  # what is installed: nothing of the script could run
         check_script_arguments(os.path.basename(script), argv[1:])
     sys.argv = [script, *argv[1:]]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))

@@ -55,8 +55,10 @@ from megatron_ext.patches._compat import (
     MovedSymbolError,
     Takes,
     UnsupportedMegatronError,
+    UnsupportedTorchError,
     check_megatron_version,
     check_signature,
+    check_torch_version,
     megatron_core_version,
     resolve,
     supported_range,
@@ -320,13 +322,15 @@ def apply(
     FEATURES); `training=False` leaves Megatron's training loop alone (and does not import it): for
     code that runs MoE layers without `megatron.training.training.train`, as the bench and the tests do.
 
-    Raises `UnsupportedMegatronError` for a megatron-core outside the supported range,
+    Raises `UnsupportedMegatronError` for a megatron-core outside the supported range
+    (`UnsupportedTorchError` for a torch),
     `MovedSymbolError` naming a target that is not where it should be and `ChangedSignatureError`
     (a `MovedSymbolError`) naming a callable whose parameters changed; in every case nothing is
     patched. A name not in FEATURES is a ValueError naming them, a flag that is not a bool a TypeError.
     """
     wanted = _wanted(features, dict(dispatcher=dispatcher, experts=experts, arguments=arguments, training=training))
     check_megatron_version()
+    check_torch_version()
     for symbol, feature in RUNTIME_SYMBOLS:
         if wanted[feature]:
             resolve(symbol)  # MovedSymbolError naming it and the version
@@ -408,9 +412,11 @@ __all__ = [
     "MovedSymbolError",
     "Takes",
     "UnsupportedMegatronError",
+    "UnsupportedTorchError",
     "applied",
     "apply",
     "check_megatron_version",
+    "check_torch_version",
     "megatron_core_version",
     "patched",
     "resolve",
