@@ -209,6 +209,7 @@ RUNTIME_SYMBOLS: tuple[tuple[str, str], ...] = (
     ("megatron.core.transformer.transformer_config.MLATransformerConfig", "arguments"),
     ("megatron.core.transformer.enums.CudaGraphModule", "arguments"),
     ("megatron.training.argument_utils.ArgumentGroupFactory", "arguments"),
+    ("megatron.training.arguments.add_megatron_arguments", "arguments"),
     ("megatron.core.models.gpt.gpt_layer_specs.LNImpl", "arguments"),
     ("megatron.core.transformer.torch_norm.WrappedTorchNorm", "arguments"),
     ("megatron.core.transformer.cuda_graphs.HAVE_TE_GRAPHS", "arguments"),
