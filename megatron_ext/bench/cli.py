@@ -195,6 +195,15 @@ def parse(argv=None) -> argparse.Namespace:
         args.selected = select(names, args.capacity_factor, args.fp8_recipe)
     except ValueError as error:
         p.error(str(error))
+    if names:  # a mode named that cannot run here: refused now, not skipped after the others ran
+        from megatron_ext.bench.run import unavailable
+
+        named = tuple(m for m in args.selected if m.name in names)
+        gloo = args.world_size > 1 and args.placement.backend != "nccl"
+        cannot = unavailable(named, args, args.world_size, cuda=cuda, gloo=gloo)
+        if cannot:
+            name, why = next(iter(cannot.items()))
+            p.error(f"--modes {name}: cannot run here: {why}; leave it out (without --modes, such modes are skipped)")
     if args.plot:
         _check_plot_format(p, args.plot)
     if not cuda:

@@ -85,6 +85,25 @@ GRAPH_SKIP_REASON = "CUDA graphs need a GPU"
 GRAPH_GLOO_SKIP_REASON = "a gloo group's collectives (ranks sharing a GPU) cannot be captured in a CUDA graph"
 
 
+def skip_reason(
+    mode: Mode, *, cuda: bool, gloo: bool, deep_ep_error: str | None, te_error: str | None, fuser_error: str | None
+) -> str | None:
+    """Why `mode` cannot run here, or None: the one rule of the run (which skips such a mode, saying
+    why) and of the parse (which refuses one named in --modes). `gloo`: ranks on gloo (several ranks
+    share a GPU); the errors: why deep_ep, Transformer Engine or its op fuser's experts cannot run."""
+    if mode.graph and not cuda:
+        return GRAPH_SKIP_REASON
+    if mode.graph and gloo:
+        return GRAPH_GLOO_SKIP_REASON
+    if mode.needs_deep_ep and deep_ep_error is not None:
+        return deep_ep_error
+    if mode.needs_te and te_error is not None:
+        return te_error
+    if mode.experts == "te-op-fuser" and fuser_error is not None:
+        return fuser_error
+    return None
+
+
 def graphed(mode: Mode) -> Mode:
     """`mode` with its whole step captured in a CUDA graph: `+graph` after its name, nothing else changed."""
     summary = f"as {mode.name}, the whole step captured once in a CUDA graph and replayed (GPU only)"
