@@ -634,7 +634,7 @@ def test_fp8_modes_come_with_their_reference_and_need_the_recipe():
         assert mode.overrides["use_transformer_engine_op_fuser"] and mode.needs_te
         assert "--fp8-recipe blockwise" in mode.flags and "--use-transformer-engine-op-fuser" in mode.flags
     assert "capacity+equal+te+fp8" not in {m.name for m in select(None, 1.5)}  # no recipe, no fp8 modes
-    with pytest.raises(ValueError, match=r"capacity\+equal\+te\+fp8 \(the fp8 modes need --fp8-recipe\)"):
+    with pytest.raises(ValueError, match=r"'capacity\+equal\+te\+fp8' \(the fp8 modes need --fp8-recipe\)"):
         select(["capacity+equal+te+fp8"], 1.5)
 
 
