@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import tempfile
 from pathlib import Path
 from typing import Any, Optional
 
@@ -108,6 +109,16 @@ FP8_DISPATCH_BLOCK = 128  # the values per scale of --moe-hybridep-fp8-dispatch 
 KERNEL_CACHE_FLAG = flag(CONFIG_PREFIX + "kernel_cache")
 
 
+def can_make_files_in(folder: str | Path) -> bool:
+    """Whether this process can make a file in `folder`: one is made and removed (`os.access` says
+    yes to root in folders like /proc, where nothing can be made)."""
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            return True
+    except OSError:
+        return False
+
+
 def _check_kernel_cache(options: HybridEPOptions) -> None:
     """--moe-hybridep-kernel-cache: refused for a path that is not a writable folder and cannot
     become one. With the torch implementation it keeps nothing (Triton caches its own kernels) and
@@ -115,7 +126,7 @@ def _check_kernel_cache(options: HybridEPOptions) -> None:
     for every job."""
     path = Path(options.kernel_cache)
     existing = next((p for p in (path, *path.parents) if p.exists()), None)
-    if not options.kernel_cache or existing is None or not existing.is_dir() or not os.access(existing, os.W_OK):
+    if not options.kernel_cache or existing is None or not existing.is_dir() or not can_make_files_in(existing):
         raise HybridEPConfigError(
             f"{KERNEL_CACHE_FLAG} {options.kernel_cache!r}: not a folder this process can write, nor one it "
             "can create. Give a writable folder (on a disk that outlives the job, shared by the job's nodes "

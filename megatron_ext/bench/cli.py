@@ -37,7 +37,7 @@ from megatron_ext.bench.report import WIDTH
 from megatron_ext.bench.sizes import DEFAULT_SIZE, SIZES, SizedParser, Sizes, describe_size, least_bytes
 from megatron_ext.bench.stack import DTYPES
 from megatron_ext.logs import log_with_rank_prefix
-from megatron_ext.options import FP8_RECIPES, STATIC_SPLITS_FP8_RECIPES, capacity_factor_argument
+from megatron_ext.options import FP8_RECIPES, STATIC_SPLITS_FP8_RECIPES, can_make_files_in, capacity_factor_argument
 from megatron_ext.tooling.ranks import Placement, run_on_ranks, this_rank, under_torchrun
 
 
@@ -248,11 +248,9 @@ def _unwritable(path: str) -> str | None:
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
         return f"cannot write there (its folder {folder} does not exist)"
-    try:  # a file made and removed: os.access answers yes to root in folders like /proc
-        with tempfile.TemporaryFile(dir=folder):
-            return None
-    except OSError:
+    if not can_make_files_in(folder):
         return f"cannot write there (no file can be made in its folder {folder})"
+    return None
 
 
 def _available_bytes() -> int | None:
