@@ -230,6 +230,8 @@ CASES: tuple[Case, ...] = (
     Case("bench mode mistyped", bench("--modes", "blocking,capacty+equal"), 2,
          ("'capacty+equal' (did you mean capacity+equal?)", "choose from")),
     Case("bench modes only commas", bench("--modes", " , "), 2, ("--modes ' , ' names no mode", "comma-separated")),
+    Case("bench blocking alone", bench("--modes", "blocking"), 2,
+         ("--modes blocking: blocking alone compares nothing", "name a mode to check")),
     Case("bench fp8 mode without recipe", bench("--modes", "capacity+equal+te+fp8"), 2,
          ("'capacity+equal+te+fp8'", "the fp8 modes need --fp8-recipe")),
     Case("bench fp8 recipe unknown", bench("--fp8-recipe", "mxfp8"), 2, ("--fp8-recipe", "invalid choice: 'mxfp8'")),

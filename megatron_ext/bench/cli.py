@@ -32,7 +32,7 @@ import warnings
 import torch
 
 import megatron_ext
-from megatron_ext.bench.modes import BLOCKING, FP8_REFERENCE, all_modes, select
+from megatron_ext.bench.modes import BLOCKING, FP8_REFERENCE, REFERENCES, all_modes, select
 from megatron_ext.bench.report import WIDTH
 from megatron_ext.bench.sizes import DEFAULT_SIZE, SIZES, SizedParser, Sizes, describe_size, least_bytes
 from megatron_ext.bench.stack import DTYPES
@@ -204,6 +204,11 @@ def parse(argv=None) -> argparse.Namespace:
         if cannot:
             name, why = next(iter(cannot.items()))
             p.error(f"--modes {name}: cannot run here: {why}; leave it out (without --modes, such modes are skipped)")
+        if all(m.name in REFERENCES for m in args.selected):
+            p.error(
+                f"--modes {args.modes}: {' and '.join(m.name for m in args.selected)} alone compares nothing (the "
+                "other modes are checked against it); name a mode to check, such as capacity+equal"
+            )
     if args.plot:
         _check_plot_format(p, args.plot)
     if not cuda:
