@@ -195,6 +195,7 @@ ENVIRONMENTS: dict[str, Callable[[], contextlib.AbstractContextManager]] = {
         "megatron_ext.patches._compat.megatron_core_version", return_value="0.18.3"
     ),
     "torch 2.7.1": lambda: mock.patch("torch.__version__", "2.7.1"),
+    "4 GiB free": lambda: mock.patch("megatron_ext.bench.cli._available_bytes", return_value=4 * 2**30),
 }
 
 # ---------------------------------------------------------------------------------- the table
@@ -221,6 +222,9 @@ CASES: tuple[Case, ...] = (
     Case("bench plot unwritable folder", bench("--plot", "/proc/out.png"), 2, ("--plot /proc/out.png: cannot write",)),
     Case("bench capacity factor 1e300", bench("--capacity-factor", "1e300"), 2, ("--capacity-factor 1e+300", RANGE)),
     Case("bench capacity factor 101", bench("--capacity-factor", "101"), 2, ("--capacity-factor 101", RANGE)),
+    Case("bench capacity factor 100 beyond memory", bench("--size", "small", "--capacity-factor", "100"), 2,
+         ("--size small on 4 CPU ranks needs at least 7 GiB", "and 4 GiB is available", "a lower --capacity-factor"),
+         env=("4 GiB free",)),
     Case("bench capacity factor nan", bench("--capacity-factor", "nan"), 2, ("--capacity-factor nan", RANGE)),
     Case("bench capacity factor inf", bench("--capacity-factor", "inf"), 2, ("--capacity-factor inf", RANGE)),
     Case("bench capacity factor 0.5", bench("--capacity-factor", "0.5"), 2,

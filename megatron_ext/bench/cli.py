@@ -274,14 +274,19 @@ def _check_host_memory(p: argparse.ArgumentParser, args) -> None:
     """Refuse before starting a stack the CPU ranks cannot hold (the kernel would kill a rank
     some way into the run, SIGKILL and nothing more)."""
     available = _available_bytes()
-    needed = least_bytes(vars(args), args.world_size, 2 if args.dtype in ("bf16", "fp16") else 4)
+    dtype_bytes = 2 if args.dtype in ("bf16", "fp16") else 4
+    capacity = any(m.overrides.get("moe_hybridep_capacity_factor") for m in args.selected)
+    factor = args.capacity_factor if capacity else 1.0  # a capacity mode's layers hold factor x their rows
+    needed = least_bytes(vars(args), args.world_size, dtype_bytes, factor)
     if available is None or needed <= available:
         return
     stack = f"--size {args.size}" if args.size else "this stack"
+    factor_alone = least_bytes(vars(args), args.world_size, dtype_bytes) <= available  # fits at a factor of 1
+    lower = ", or a lower --capacity-factor" if factor_alone else ""
     p.error(
         f"{stack} on {args.world_size} CPU ranks needs at least {needed / 2**30:.0f} GiB of memory (the expert "
         f"weights and gradients, each rank's activations), and {available / 2**30:.0f} GiB is available here; "
-        "run it on GPUs, or on CPU a smaller --size (small) or fewer --layers, --tokens or --world-size"
+        f"run it on GPUs, or on CPU a smaller --size (small) or fewer --layers, --tokens or --world-size{lower}"
     )
 
 
