@@ -56,6 +56,8 @@ def check_script_arguments(prog: str, argv: list[str]) -> None:
     The script may add flags of its own (`extra_args_provider`): those unknown here pass, but for
     a `--moe-hybridep-` flag, which can only be a mistyped one of megatron-ext's.
     """
+    if "-h" in argv or "--help" in argv:  # the script's own parse prints its help, its own flags too
+        return
     from megatron.training.arguments import add_megatron_arguments
 
     parser = add_megatron_arguments(argparse.ArgumentParser(prog=prog, allow_abbrev=False))

@@ -774,6 +774,21 @@ def test_patch_and_extra_args_provider_together(patched, monkeypatch, capsys):
     assert err.count("prog: error:") == 1
 
 
+def test_the_launchers_check_leaves_help_and_the_scripts_own_flags_to_the_script(patched, capsys):
+    from megatron_ext.arguments import check_script_arguments
+
+    check_script_arguments("train.py", [*BASE_ARGV[1:], "--help"])  # no exit: the script's parse prints its help
+    check_script_arguments("train.py", [*BASE_ARGV[1:], "--my-own-flag", "3"])  # an extra_args_provider's flag
+    assert capsys.readouterr().out == ""
+    with pytest.raises(SystemExit) as stop:
+        check_script_arguments("train.py", [*BASE_ARGV[1:], "--moe-hybridep-capcity-factor=2"])
+    assert stop.value.code == 2
+    assert capsys.readouterr().err == (
+        "train.py: error: unrecognized arguments: --moe-hybridep-capcity-factor "
+        "(did you mean --moe-hybridep-capacity-factor?)\n"
+    )
+
+
 def test_install_validation_is_idempotent():
     import argparse
 
