@@ -32,7 +32,7 @@ import warnings
 import torch
 
 import megatron_ext
-from megatron_ext.bench.modes import BLOCKING, FP8_REFERENCE, REFERENCES, all_modes, select
+from megatron_ext.bench.modes import BLOCKING, FP8_REFERENCE, REFERENCES, all_modes, mode_names, select
 from megatron_ext.bench.report import WIDTH
 from megatron_ext.bench.sizes import DEFAULT_SIZE, SIZES, SizedParser, Sizes, describe_size, least_bytes
 from megatron_ext.bench.stack import DTYPES
@@ -186,11 +186,9 @@ def parse(argv=None) -> argparse.Namespace:
         p.error(f"--topk {args.topk} must be between 1 and --experts ({args.experts})")
     if args.experts % args.world_size:
         p.error(f"--experts {args.experts} must be divisible by the {args.world_size} ranks (one EP group)")
-    names = None
-    if args.modes:  # "blocking, capacity+equal": the spaces around a name are not part of it
-        names = [name.strip() for name in args.modes.split(",") if name.strip()]
-        if not names:
-            p.error(f"--modes {args.modes!r} names no mode; give comma-separated names (--help lists them)")
+    names = mode_names(args.modes)
+    if args.modes is not None and not names:
+        p.error(f"--modes {args.modes!r} names no mode; give comma-separated names (--help lists them)")
     try:
         args.selected = select(names, args.capacity_factor, args.fp8_recipe)
     except ValueError as error:

@@ -322,6 +322,13 @@ def all_modes(capacity_factor: float, fp8_recipe: str | None = None) -> tuple[Mo
     return tuple(m for mode in modes for m in ((mode, graphed(mode)) if mode.name in GRAPHED else (mode,)))
 
 
+def mode_names(text: str | None) -> list[str] | None:
+    """`--modes`' names: comma-separated, the spaces around each not part of it ("blocking,
+    capacity+equal"); None where no names are given."""
+    names = [name.strip() for name in (text or "").split(",") if name.strip()]
+    return names or None
+
+
 def select(names: list[str] | None, capacity_factor: float, fp8_recipe: str | None = None) -> tuple[Mode, ...]:
     """The modes named (with the modes they are checked against), in table order; ValueError on an
     unknown name."""
