@@ -58,14 +58,15 @@ class Case:
 # ---------------------------------------------------------------------------------- entry points
 
 
-def bench(*argv: str) -> Callable[[Path], Any]:
+def bench(*argv: str, gpu: bool = False) -> Callable[[Path], Any]:
     """`megatron-ext-bench ARGV` run in `folder`, up to the end of its parsing (a case the parse
-    accepts returns there: exit status 0, not a run of the bench)."""
+    accepts returns there: exit status 0, not a run of the bench). Without a GPU unless `gpu` (its
+    environment then says what there is), so that a GPU machine gives the same refusals."""
 
     def call(folder: Path):
         from megatron_ext.bench.cli import parse
 
-        with _cwd(folder):
+        with _cwd(folder), contextlib.nullcontext() if gpu else _no_gpu():
             parse(list(argv))
 
     return call
@@ -166,13 +167,17 @@ def _no_gpu() -> Iterator[None]:
         yield
 
 
+# What the bench's TE check imports: None in sys.modules makes each import fail, even where TE is installed.
+TE_MODULES = ("transformer_engine.pytorch", "transformer_engine.pytorch.ops")
+
+
 @contextlib.contextmanager
 def _gpu_without_te() -> Iterator[None]:
     """One GPU visible (said so to the parse only), Transformer Engine not importable."""
     with (
         mock.patch("torch.cuda.is_available", return_value=True),
         mock.patch("torch.cuda.device_count", return_value=1),
-        mock.patch.dict(sys.modules, {"transformer_engine": None, "transformer_engine.pytorch": None}),
+        mock.patch.dict(sys.modules, dict.fromkeys(("transformer_engine", *TE_MODULES))),
     ):
         yield
 
@@ -264,7 +269,7 @@ CASES: tuple[Case, ...] = (
          ("--modes capacity+equal+graph: cannot run here: CUDA graphs need a GPU", "leave it out"), env=("no GPU",)),
     Case("bench deep_ep mode without deep_ep", bench("--modes", "deep_ep"), 2,
          ("--modes deep_ep: cannot run here: deep_ep does not import", "leave it out"), env=("no deep_ep",)),
-    Case("bench TE mode without TE", bench("--modes", "capacity+equal+te", "--world-size", "1"), 2,
+    Case("bench TE mode without TE", bench("--modes", "capacity+equal+te", "--world-size", "1", gpu=True), 2,
          ("--modes capacity+equal+te: cannot run here", "Transformer Engine", "leave it out"), group=M,
          env=("GPU without TE",)),
     # The launcher.
