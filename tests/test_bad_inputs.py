@@ -205,6 +205,10 @@ ENVIRONMENTS: dict[str, Callable[[], contextlib.AbstractContextManager]] = {
 
 # ---------------------------------------------------------------------------------- the table
 
+# The refusal the README shows, which must be the line itself.
+README_REFUSAL = next(
+    line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith("pretrain_gpt.py: error: ")
+)
 B, M, FRESH = "light", "megatron", "fresh"
 FACTOR = "--moe-hybridep-capacity-factor"
 IMPL = "--moe-hybridep-implementation"
@@ -296,6 +300,8 @@ CASES: tuple[Case, ...] = (
          ("--moe-hybridep-verify-equal-token-counts checks the declaration", "set that flag too"), group=FRESH),
     # Megatron's flags that megatron-ext adds or constrains, through Megatron's own parser.
     Case("megatron capacity factor 0.5", megatron(FACTOR, "0.5"), 2, (f"{FACTOR} 0.5 would drop tokens",), group=M),
+    Case("megatron capacity factor 0.8, as the README shows it", megatron(FACTOR, "0.8"), 2, (README_REFUSAL,),
+         group=M),
     Case("megatron capacity factor 1e300", megatron(FACTOR, "1e300"), 2, (f"{FACTOR} 1e+300", RANGE), group=M),
     Case("megatron capacity factor nan", megatron(FACTOR, "nan"), 2, (f"{FACTOR} nan is not a finite number", RANGE),
          group=M),
