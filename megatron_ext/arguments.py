@@ -14,7 +14,6 @@ line names the flag meant, when one is close.
 from __future__ import annotations
 
 import argparse
-import difflib
 import re
 import sys
 from dataclasses import fields
@@ -22,9 +21,11 @@ from typing import NoReturn
 
 from megatron_ext.logs import first_rank
 from megatron_ext.options import (
+    CONFIG_PREFIX,
     HybridEPConfigError,
     check_parsed_precision,
     flag,
+    near_miss,
     validate,
 )
 
@@ -32,15 +33,39 @@ GROUP_TITLE = "megatron-ext HybridEP dispatch"
 
 
 def refuse(parser: argparse.ArgumentParser, message: str) -> NoReturn:
-    """Stop the parse as argparse does (exit status 2), saying `<prog>: error: <message>` alone.
+    """Stop the parse as argparse does (exit status 2), saying `<prog>: error: <message>` alone."""
+    stop(parser.prog, message)
+
+
+def stop(prog: str, message: str) -> NoReturn:
+    """Exit with status 2, saying `<prog>: error: <message>` alone: a refusal before any work.
 
     No usage block, and said once per job: the job's first rank prints the line to stderr
     (`megatron_ext.logs.first_rank`), every other rank exits 2 without a word.
     """
     if first_rank():
-        sys.stderr.write(f"{parser.prog}: error: {message}\n")
+        sys.stderr.write(f"{prog}: error: {message}\n")
         sys.stderr.flush()
     sys.exit(2)
+
+
+def check_script_arguments(prog: str, argv: list[str]) -> None:
+    """Parse a training script's `argv` with Megatron's parser (patched: megatron-ext's flags and
+    checks) before the script runs, refusing as the script's own parse would (one line, exit 2).
+
+    The script may add flags of its own (`extra_args_provider`): those unknown here pass, but for
+    a `--moe-hybridep-` flag, which can only be a mistyped one of megatron-ext's.
+    """
+    if "-h" in argv or "--help" in argv:  # the script's own parse prints its help, its own flags too
+        return
+    from megatron.training.arguments import add_megatron_arguments
+
+    parser = add_megatron_arguments(argparse.ArgumentParser(prog=prog, allow_abbrev=False))
+    install_validation(parser)
+    _, unknown = parser.parse_known_args(argv)
+    ours = [a.split("=", 1)[0] for a in unknown if a.startswith(flag(CONFIG_PREFIX))]
+    if ours:
+        parser.error(f"unrecognized arguments: {' '.join(ours)}")
 
 
 def install_validation(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -77,8 +102,8 @@ def _near_misses(parser: argparse.ArgumentParser, message: str) -> str:
         return ""
     known = [option for option in parser._option_string_actions if option.startswith("--")]
     given = re.findall(r"(?<!\S)--[\w-]+", message)
-    closest = {g: difflib.get_close_matches(g, known, n=1, cutoff=0.85) for g in given}
-    meant = {g: close[0] for g, close in closest.items() if close}
+    closest = {g: near_miss(g, known, cutoff=0.85) for g in given}
+    meant = {g: close for g, close in closest.items() if close}
     if not meant:
         return f"; {parser.prog} --help lists the flags"
     if len(given) == 1:

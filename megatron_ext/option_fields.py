@@ -7,6 +7,8 @@ The base the checks build on (`megatron_ext.options`, `megatron_ext.implementati
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Iterable
 from dataclasses import dataclass, fields
 from typing import Any, Final, Literal, Optional, get_args
 
@@ -26,6 +28,13 @@ TRANSPORTS: tuple[str, ...] = get_args(Transport)
 
 class HybridEPConfigError(ValueError):
     """A megatron-ext option, or its combination with a Megatron option, is invalid."""
+
+
+def near_miss(given: str, known: Iterable[str], cutoff: float = 0.6) -> Optional[str]:
+    """The name of `known` that `given` most likely mistypes, or None: for "did you mean" in the
+    refusals of a flag, a bench mode or a patch feature."""
+    close = difflib.get_close_matches(given, list(known), n=1, cutoff=cutoff)
+    return close[0] if close else None
 
 
 def flag(name: str) -> str:

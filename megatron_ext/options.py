@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import tempfile
 from pathlib import Path
 from typing import Any, Optional
 
@@ -55,18 +56,31 @@ from megatron_ext.option_fields import (  # noqa: F401 (re-exported: config.py, 
     OverflowPolicy,
     Transport,
     flag,
+    near_miss,
 )
+
+# The largest capacity factor accepted. A rank of an EP group of W ranks receives at most W times
+# its balanced share of rows, and an overflow grows a capacity anyway (the re-run policy), so no
+# layout needs more; a larger factor only sizes buffers that cannot be allocated (1e300 rows).
+MAX_CAPACITY_FACTOR = 100.0
 
 
 def check_capacity_factor(factor: Any, name: str = CAPACITY_FACTOR_FLAG) -> float:
-    """`factor` if it is a finite number >= 1.0 (a capacity that cannot drop tokens), else raise.
+    """`factor` if it is a finite number from 1.0 (a capacity that cannot drop tokens) to
+    MAX_CAPACITY_FACTOR (buffers that can be sized), else raise.
 
     The one check of a capacity factor: the config, the argument parsers (Megatron's, the bench's,
     the round trip's) and `capacity_from_rows` all call it. Raises `HybridEPConfigError` (a
     ValueError) naming `name`, the flag or argument the factor came from, and the fix.
     """
+    accepted = f"use a number from 1.0 to {MAX_CAPACITY_FACTOR:g} (1.5 is a good start)"
     if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not math.isfinite(factor):
-        raise HybridEPConfigError(f"{name} must be a finite number >= 1.0; got {factor!r}.")
+        raise HybridEPConfigError(f"{name} {factor!r} is not a finite number; {accepted}.")
+    if factor > MAX_CAPACITY_FACTOR:
+        raise HybridEPConfigError(
+            f"{name} {factor:g} would size each layer's buffers to {factor:g} times its calibrated rows, more than "
+            f"any expert-parallel layout can receive; {accepted}: an overflow grows the room where needed."
+        )
     if factor < 1.0:
         unset = ", or leave it unset for the blocking dispatch" if name == CAPACITY_FACTOR_FLAG else ""
         raise HybridEPConfigError(
@@ -95,6 +109,16 @@ FP8_DISPATCH_BLOCK = 128  # the values per scale of --moe-hybridep-fp8-dispatch 
 KERNEL_CACHE_FLAG = flag(CONFIG_PREFIX + "kernel_cache")
 
 
+def can_make_files_in(folder: str | Path) -> bool:
+    """Whether this process can make a file in `folder`: one is made and removed (`os.access` says
+    yes to root in folders like /proc, where nothing can be made)."""
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            return True
+    except OSError:
+        return False
+
+
 def _check_kernel_cache(options: HybridEPOptions) -> None:
     """--moe-hybridep-kernel-cache: refused for a path that is not a writable folder and cannot
     become one. With the torch implementation it keeps nothing (Triton caches its own kernels) and
@@ -102,7 +126,7 @@ def _check_kernel_cache(options: HybridEPOptions) -> None:
     for every job."""
     path = Path(options.kernel_cache)
     existing = next((p for p in (path, *path.parents) if p.exists()), None)
-    if not options.kernel_cache or existing is None or not existing.is_dir() or not os.access(existing, os.W_OK):
+    if not options.kernel_cache or existing is None or not existing.is_dir() or not can_make_files_in(existing):
         raise HybridEPConfigError(
             f"{KERNEL_CACHE_FLAG} {options.kernel_cache!r}: not a folder this process can write, nor one it "
             "can create. Give a writable folder (on a disk that outlives the job, shared by the job's nodes "

@@ -5,6 +5,7 @@ from tests.distributed import one_rank_group
 
 # Modules whose tests spawn ranks or processes: `pytest -m "not slow"` leaves them out.
 SLOW_MODULES = {
+    "test_bad_inputs",
     "test_bench",
     "test_checkpoint",
     "test_examples",

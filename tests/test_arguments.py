@@ -637,7 +637,7 @@ def test_patched_parse_args_refuses_a_non_number_factor(patched, monkeypatch, ca
 def test_patched_parse_args_refuses_a_non_finite_factor(patched, monkeypatch, capsys):
     err = parse_error(patched, monkeypatch, capsys, "--moe-hybridep-capacity-factor", "inf")
 
-    assert "--moe-hybridep-capacity-factor must be a finite number >= 1.0" in err
+    assert "--moe-hybridep-capacity-factor inf is not a finite number; use a number from 1.0 to 100" in err
 
 
 def test_patched_parse_args_accepts_megatrons_negative_expert_capacity_factor(patched, monkeypatch):
@@ -772,6 +772,21 @@ def test_patch_and_extra_args_provider_together(patched, monkeypatch, capsys):
     )
     assert "would drop tokens" in err
     assert err.count("prog: error:") == 1
+
+
+def test_the_launchers_check_leaves_help_and_the_scripts_own_flags_to_the_script(patched, capsys):
+    from megatron_ext.arguments import check_script_arguments
+
+    check_script_arguments("train.py", [*BASE_ARGV[1:], "--help"])  # no exit: the script's parse prints its help
+    check_script_arguments("train.py", [*BASE_ARGV[1:], "--my-own-flag", "3"])  # an extra_args_provider's flag
+    assert capsys.readouterr().out == ""
+    with pytest.raises(SystemExit) as stop:
+        check_script_arguments("train.py", [*BASE_ARGV[1:], "--moe-hybridep-capcity-factor=2"])
+    assert stop.value.code == 2
+    assert capsys.readouterr().err == (
+        "train.py: error: unrecognized arguments: --moe-hybridep-capcity-factor "
+        "(did you mean --moe-hybridep-capacity-factor?)\n"
+    )
 
 
 def test_install_validation_is_idempotent():

@@ -330,10 +330,10 @@ def test_a_mode_that_differs_fails_the_run_by_name():
         (["--topk", "9", "--experts", "8"], "--topk 9 must be between 1 and --experts (8)"),
         (["--capacity-factor", "0.5"], "--capacity-factor 0.5 would drop tokens"),
         (["--experts", "6", "--world-size", "4"], "--experts 6 must be divisible by the 4 ranks"),
-        (["--modes", "blocking,fast"], "--modes: unknown mode(s) fast; choose from"),
+        (["--modes", "blocking,fast"], "--modes: unknown mode(s) 'fast'; choose from"),
         (["--steps", "0"], "--steps must be at least 1"),
         (["--json", "/no/such/folder/out.json"], "--json /no/such/folder/out.json: cannot write there"),
-        (["--json", "/"], "--json /: cannot write there"),
+        (["--json", "/"], "--json /: is a folder; give a file name"),
         (["--ranks-per-gpu", "2", "--device", "cpu"], "--ranks-per-gpu 2: ranks share GPUs, and no CUDA device"),
         (["--ranks-per-gpu", "0"], "--ranks-per-gpu must be at least 1"),
         (["--skew", "nan"], "--skew nan: use a finite number (0 balances the routing"),
@@ -634,7 +634,7 @@ def test_fp8_modes_come_with_their_reference_and_need_the_recipe():
         assert mode.overrides["use_transformer_engine_op_fuser"] and mode.needs_te
         assert "--fp8-recipe blockwise" in mode.flags and "--use-transformer-engine-op-fuser" in mode.flags
     assert "capacity+equal+te+fp8" not in {m.name for m in select(None, 1.5)}  # no recipe, no fp8 modes
-    with pytest.raises(ValueError, match=r"capacity\+equal\+te\+fp8 \(the fp8 modes need --fp8-recipe\)"):
+    with pytest.raises(ValueError, match=r"'capacity\+equal\+te\+fp8' \(the fp8 modes need --fp8-recipe\)"):
         select(["capacity+equal+te+fp8"], 1.5)
 
 
@@ -1058,17 +1058,23 @@ def test_nothing_compared_says_what_was_skipped_and_why():
     assert report.nothing_compared(rows) is None
 
 
-def test_a_run_that_compares_nothing_exits_1_saying_why():
-    # CPU ranks skip every +graph mode whatever is installed; deep_ep is skipped where it does not import.
+def test_a_run_that_would_compare_nothing_is_refused_before_it_starts(capsys, monkeypatch):
+    # Modes named that cannot run here (CPU ranks skip every +graph mode; deep_ep where it does not
+    # import), or blocking alone: refused at parsing, not after blocking ran (the run's own check,
+    # `report.nothing_compared`, stays for what the parse cannot see).
+    from megatron_ext.bench.cli import parse
+
+    monkeypatch.delenv("RANK", raising=False)
     modes = "capacity+equal+graph" if HAS_DEEP_EP else "deep_ep,capacity+equal+graph"
-    result = _bench(*TINY, "--world-size", "2", "--device", "cpu", "--modes", modes)
-    assert result.returncode == 1, result.stdout + result.stderr
-    line = next(line for line in result.stdout.splitlines() if "nothing was compared" in line)
-    assert line.startswith("FAILED: no mode besides the reference ran: ") and line.endswith("; nothing was compared")
-    assert "capacity+equal+graph skipped (CUDA graphs need a GPU)" in line
-    if not HAS_DEEP_EP:
-        assert "deep_ep skipped (deep_ep does not import: " in line
-    assert "OK:" not in result.stdout
+    for argv, said in (
+        (["--modes", modes], "cannot run here: "),
+        (["--modes", "blocking"], "--modes blocking: blocking alone compares nothing"),
+    ):
+        with pytest.raises(SystemExit) as stop:
+            parse([*TINY, "--world-size", "2", "--device", "cpu", *argv])
+        assert stop.value.code == 2
+        err = capsys.readouterr().err
+        assert err.startswith("megatron-ext-bench: error: --modes ") and said in err and err.count("\n") == 1, err
 
 
 def test_the_printed_report_says_cpu_times_are_no_figures_and_explains_on_request(capsys, monkeypatch):

@@ -225,6 +225,36 @@ def test_patched_inside_full_apply_reverts_nothing(originals, replacements):
     assert_patched(originals, replacements, ALL_TARGETS)
 
 
+def test_features_named_by_position_and_reverted_by_name(originals, replacements):
+    assert patches.apply("dispatcher", "experts") == [DISPATCHER, MOE_INIT]
+    assert_stock(originals, [t for t in ALL_TARGETS if t not in (DISPATCHER, MOE_INIT)])
+    assert patches.revert("dispatcher") == [DISPATCHER]  # a string is one name, not its letters
+    assert patches.applied() == (MOE_INIT,)
+    assert patches.revert(["training"]) == []  # a feature not applied: nothing to restore
+    assert patches.revert(MOE_INIT) == [MOE_INIT]  # a dotted name apply() returned
+    assert_stock(originals)
+    with patches.patched("arguments") as done:
+        assert done == [ARGS_CONFIG, UTILS_CONFIG, MLA_CONFIG, ADD_ARGUMENTS]
+    assert patches.applied() == ()
+
+
+@pytest.mark.parametrize("call", ["revert('dispatchr')", "revert(3)", "apply('moe')", "apply(dispatcher=1)"])
+def test_a_bad_name_restores_and_patches_nothing(originals, replacements, call):
+    patches.apply("dispatcher")
+    with pytest.raises((TypeError, ValueError)):
+        eval(f"patches.{call}")
+    assert patches.applied() == (DISPATCHER,)
+    patches.revert()
+
+
+def test_unsupported_torch_patches_nothing(originals, monkeypatch):
+    monkeypatch.setattr(torch, "__version__", "2.15.0")
+    with pytest.raises(patches.UnsupportedTorchError, match=r"found torch 2\.15\.0.*>=2\.8,<2\.15"):
+        patches.apply()
+    assert patches.applied() == ()
+    assert_stock(originals)
+
+
 @pytest.mark.parametrize("version", ["0.21.0", "0.18.3"])
 def test_unsupported_version_patches_nothing(originals, monkeypatch, version):
     monkeypatch.setattr(compat, "megatron_core_version", lambda: version)

@@ -32,12 +32,12 @@ import warnings
 import torch
 
 import megatron_ext
-from megatron_ext.bench.modes import BLOCKING, FP8_REFERENCE, all_modes, select
+from megatron_ext.bench.modes import BLOCKING, FP8_REFERENCE, REFERENCES, all_modes, mode_names, select
 from megatron_ext.bench.report import WIDTH
 from megatron_ext.bench.sizes import DEFAULT_SIZE, SIZES, SizedParser, Sizes, describe_size, least_bytes
 from megatron_ext.bench.stack import DTYPES
 from megatron_ext.logs import log_with_rank_prefix
-from megatron_ext.options import FP8_RECIPES, STATIC_SPLITS_FP8_RECIPES, capacity_factor_argument
+from megatron_ext.options import FP8_RECIPES, STATIC_SPLITS_FP8_RECIPES, can_make_files_in, capacity_factor_argument
 from megatron_ext.tooling.ranks import Placement, run_on_ranks, this_rank, under_torchrun
 
 
@@ -186,36 +186,74 @@ def parse(argv=None) -> argparse.Namespace:
         p.error(f"--topk {args.topk} must be between 1 and --experts ({args.experts})")
     if args.experts % args.world_size:
         p.error(f"--experts {args.experts} must be divisible by the {args.world_size} ranks (one EP group)")
+    names = mode_names(args.modes)
+    if args.modes is not None and not names:
+        p.error(f"--modes {args.modes!r} names no mode; give comma-separated names (--help lists them)")
     try:
-        args.selected = select(args.modes.split(",") if args.modes else None, args.capacity_factor, args.fp8_recipe)
+        args.selected = select(names, args.capacity_factor, args.fp8_recipe)
     except ValueError as error:
         p.error(str(error))
+    if names:  # a mode named that cannot run here: refused now, not skipped after the others ran
+        from megatron_ext.bench.run import unavailable
+
+        named = tuple(m for m in args.selected if m.name in names)
+        gloo = args.world_size > 1 and args.placement.backend != "nccl"
+        cannot = unavailable(named, args, args.world_size, cuda=cuda, gloo=gloo)
+        if cannot:
+            name, why = next(iter(cannot.items()))
+            p.error(f"--modes {name}: cannot run here: {why}; leave it out (without --modes, such modes are skipped)")
+        if all(m.name in REFERENCES for m in args.selected):
+            p.error(
+                f"--modes {args.modes}: {' and '.join(m.name for m in args.selected)} alone compares nothing (the "
+                "other modes are checked against it); name a mode to check, such as capacity+equal"
+            )
     if args.plot:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            p.error("--plot needs matplotlib: pip install 'megatron-ext[plot]'")
+        _check_plot_format(p, args.plot)
     if not cuda:
         _check_host_memory(p, args)
-    for option in ("json", "plot"):  # before the run, not after it
-        path = getattr(args, option)
-        if path is not None and not _writable(path):
-            p.error(f"--{option} {path}: cannot write there (its folder is missing or read-only)")
+    _check_outputs(p, args)
     return args
 
 
-def _writable(path: str) -> bool:
-    """Whether a file can be written at `path` (an existing file stays untouched)."""
+def _check_plot_format(p: argparse.ArgumentParser, path: str) -> None:
+    """--plot: matplotlib importable, and a suffix it writes (it picks the format by the suffix, and
+    adds .png to a name without one, so the file would not be where the run says it wrote it)."""
+    try:
+        from matplotlib.backend_bases import FigureCanvasBase
+    except ImportError:
+        p.error("--plot needs matplotlib: pip install 'megatron-ext[plot]'")
+    formats = FigureCanvasBase.get_supported_filetypes()
+    suffix = os.path.splitext(path)[1][1:].lower()
+    if suffix not in formats:
+        what = f"a .{suffix} file" if suffix else "a file without a suffix"
+        p.error(
+            f"--plot {path}: matplotlib cannot write {what}; end the name in .png (or .{', .'.join(sorted(formats))})"
+        )
+
+
+def _check_outputs(p: argparse.ArgumentParser, args) -> None:
+    """--json and --plot, before the run, not after it: each a file that can be written, and not the same."""
+    paths = {option: getattr(args, option) for option in ("json", "plot") if getattr(args, option) is not None}
+    for option, path in paths.items():
+        problem = _unwritable(path)
+        if problem is not None:
+            p.error(f"--{option} {path}: {problem}")
+    if len(paths) == 2 and os.path.realpath(paths["json"]) == os.path.realpath(paths["plot"]):
+        p.error(f"--plot {args.plot}: --json {args.json} writes there too; give each output its own file")
+
+
+def _unwritable(path: str) -> str | None:
+    """Why a file cannot be written at `path`, or None when it can (an existing file stays untouched)."""
     if os.path.isdir(path):
-        return False
+        return "is a folder; give a file name (in it, or anywhere writable)"
     if os.path.exists(path):
-        return os.access(path, os.W_OK)
+        return None if os.access(path, os.W_OK) else "cannot write there (the file is read-only)"
     folder = os.path.dirname(os.path.abspath(path))
-    try:  # a file made and removed: os.access answers yes to root in folders like /proc
-        with tempfile.TemporaryFile(dir=folder):
-            return True
-    except OSError:
-        return False
+    if not os.path.isdir(folder):
+        return f"cannot write there (its folder {folder} does not exist)"
+    if not can_make_files_in(folder):
+        return f"cannot write there (no file can be made in its folder {folder})"
+    return None
 
 
 def _available_bytes() -> int | None:
@@ -234,14 +272,19 @@ def _check_host_memory(p: argparse.ArgumentParser, args) -> None:
     """Refuse before starting a stack the CPU ranks cannot hold (the kernel would kill a rank
     some way into the run, SIGKILL and nothing more)."""
     available = _available_bytes()
-    needed = least_bytes(vars(args), args.world_size, 2 if args.dtype in ("bf16", "fp16") else 4)
+    dtype_bytes = 2 if args.dtype in ("bf16", "fp16") else 4
+    capacity = any(m.overrides.get("moe_hybridep_capacity_factor") for m in args.selected)
+    factor = args.capacity_factor if capacity else 1.0  # a capacity mode's layers hold factor x their rows
+    needed = least_bytes(vars(args), args.world_size, dtype_bytes, factor)
     if available is None or needed <= available:
         return
     stack = f"--size {args.size}" if args.size else "this stack"
+    factor_alone = least_bytes(vars(args), args.world_size, dtype_bytes) <= available  # fits at a factor of 1
+    lower = ", or a lower --capacity-factor" if factor_alone else ""
     p.error(
         f"{stack} on {args.world_size} CPU ranks needs at least {needed / 2**30:.0f} GiB of memory (the expert "
         f"weights and gradients, each rank's activations), and {available / 2**30:.0f} GiB is available here; "
-        "run it on GPUs, or on CPU a smaller --size (small) or fewer --layers, --tokens or --world-size"
+        f"run it on GPUs, or on CPU a smaller --size (small) or fewer --layers, --tokens or --world-size{lower}"
     )
 
 

@@ -57,11 +57,11 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU (it counts GPU operations)")
 
-    from megatron_ext.bench.modes import select
+    from megatron_ext.bench.modes import mode_names, select
     from megatron_ext.bench.stack import MoEStack, make_inputs, megatron_config, te_import_error
 
     try:
-        modes = select(args.modes.split(",") if args.modes else None, 1.5)
+        modes = select(mode_names(args.modes), 1.5)
     except ValueError as error:
         p.error(str(error))
     sizes = sizes_from(args)

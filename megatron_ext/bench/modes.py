@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from megatron_ext.options import COMPACT_ROUTING_FLAG, FP8_RECIPES, STATIC_SPLITS_FLAG
+from megatron_ext.options import COMPACT_ROUTING_FLAG, FP8_RECIPES, STATIC_SPLITS_FLAG, near_miss
 
 FLEX = dict(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="hybridep")
 
@@ -83,6 +83,25 @@ GRAPHED = (
 )
 GRAPH_SKIP_REASON = "CUDA graphs need a GPU"
 GRAPH_GLOO_SKIP_REASON = "a gloo group's collectives (ranks sharing a GPU) cannot be captured in a CUDA graph"
+
+
+def skip_reason(
+    mode: Mode, *, cuda: bool, gloo: bool, deep_ep_error: str | None, te_error: str | None, fuser_error: str | None
+) -> str | None:
+    """Why `mode` cannot run here, or None: the one rule of the run (which skips such a mode, saying
+    why) and of the parse (which refuses one named in --modes). `gloo`: ranks on gloo (several ranks
+    share a GPU); the errors: why deep_ep, Transformer Engine or its op fuser's experts cannot run."""
+    if mode.graph and not cuda:
+        return GRAPH_SKIP_REASON
+    if mode.graph and gloo:
+        return GRAPH_GLOO_SKIP_REASON
+    if mode.needs_deep_ep and deep_ep_error is not None:
+        return deep_ep_error
+    if mode.needs_te and te_error is not None:
+        return te_error
+    if mode.experts == "te-op-fuser" and fuser_error is not None:
+        return fuser_error
+    return None
 
 
 def graphed(mode: Mode) -> Mode:
@@ -303,6 +322,13 @@ def all_modes(capacity_factor: float, fp8_recipe: str | None = None) -> tuple[Mo
     return tuple(m for mode in modes for m in ((mode, graphed(mode)) if mode.name in GRAPHED else (mode,)))
 
 
+def mode_names(text: str | None) -> list[str] | None:
+    """`--modes`' names: comma-separated, the spaces around each not part of it ("blocking,
+    capacity+equal"); None where no names are given."""
+    names = [name.strip() for name in (text or "").split(",") if name.strip()]
+    return names or None
+
+
 def select(names: list[str] | None, capacity_factor: float, fp8_recipe: str | None = None) -> tuple[Mode, ...]:
     """The modes named (with the modes they are checked against), in table order; ValueError on an
     unknown name."""
@@ -314,7 +340,9 @@ def select(names: list[str] | None, capacity_factor: float, fp8_recipe: str | No
     if unknown:
         fp8 = {m.name for m in fp8_modes(capacity_factor, "tensorwise")}
         hint = " (the fp8 modes need --fp8-recipe)" if fp8_recipe is None and set(unknown) & fp8 else ""
-        raise ValueError(f"--modes: unknown mode(s) {', '.join(unknown)}{hint}; choose from {', '.join(sorted(known))}")
+        meant = {n: near_miss(n, known) for n in unknown if n not in fp8}
+        said = [f"{n!r} (did you mean {meant[n]}?)" if meant.get(n) else repr(n) for n in unknown]
+        raise ValueError(f"--modes: unknown mode(s) {', '.join(said)}{hint}; choose from {', '.join(sorted(known))}")
     wanted = set(names) | {BLOCKING}
     wanted |= {m.reference for m in modes if m.name in wanted}
     return tuple(m for m in modes if m.name in wanted)

@@ -162,11 +162,11 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU (it profiles GPU kernels)")
-    from megatron_ext.bench.modes import select
+    from megatron_ext.bench.modes import mode_names, select
     from megatron_ext.bench.stack import MoEStack, make_inputs, megatron_config
 
     try:
-        modes = list(select(args.modes.split(",") if args.modes else None, args.capacity_factor, args.fp8_recipe))
+        modes = list(select(mode_names(args.modes), args.capacity_factor, args.fp8_recipe))
     except ValueError as error:
         p.error(str(error))
     os.makedirs(args.out, exist_ok=True)

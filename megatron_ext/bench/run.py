@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from megatron_ext.bench.counters import DispatchTimer, busy_ms, count_collectives, gpu_operations
 from megatron_ext.bench.graphed import GraphedStep
-from megatron_ext.bench.modes import BLOCKING, GRAPH_GLOO_SKIP_REASON, GRAPH_SKIP_REASON, REFERENCES, Mode
+from megatron_ext.bench.modes import BLOCKING, REFERENCES, Mode, skip_reason
 from megatron_ext.bench.report import worst_by_tensor
 from megatron_ext.bench.sizes import Sizes
 from megatron_ext.bench.stack import (
@@ -515,6 +515,31 @@ def _release() -> None:
         torch.cuda.empty_cache()
 
 
+def unavailable(modes: tuple[Mode, ...], sizes: Any, world_size: int, *, cuda: bool, gloo: bool) -> dict[str, str]:
+    """The modes of `modes` that cannot run here, each with why (`skip_reason`); `sizes`: the stack's
+    (a `Sizes` or the parsed arguments). What it asks of deep_ep and TE is asked only for modes that need them."""
+    from megatron_ext.options import deep_ep_import_error, deep_ep_shape_error
+    from megatron_ext.patches._moe_layer import te_expert_count_error
+
+    deep_ep_error = te_error = fuser_error = None
+    if any(m.needs_deep_ep for m in modes):
+        missing = deep_ep_import_error()
+        deep_ep_error = f"deep_ep does not import: {missing}" if missing else deep_ep_shape_error(sizes.hidden)
+    if any(m.needs_te for m in modes):
+        te_error = te_import_error()
+        # TE's op-fuser experts run one grouped GEMM over a rank's experts, which has a limit.
+        fuser_error = te_expert_count_error(
+            SimpleNamespace(num_moe_experts=sizes.experts, expert_model_parallel_size=world_size)
+        )
+    reasons = {
+        m.name: skip_reason(
+            m, cuda=cuda, gloo=gloo, deep_ep_error=deep_ep_error, te_error=te_error, fuser_error=fuser_error
+        )
+        for m in modes
+    }
+    return {name: why for name, why in reasons.items() if why is not None}
+
+
 def run_modes(
     sizes: Sizes,
     modes: tuple[Mode, ...],
@@ -526,33 +551,16 @@ def run_modes(
 
     `progress()` is called after every step, `starting(name)` before each mode.
     """
-    from megatron_ext.options import deep_ep_import_error, deep_ep_shape_error
-
     rank, world_size = dist.get_rank(), dist.get_world_size()
     runner = _Runner(sizes, rank, world_size, device, progress)
-    from megatron_ext.patches._moe_layer import te_expert_count_error
-
-    missing, te_error = deep_ep_import_error(), te_import_error()
-    # TE's op-fuser experts run one grouped GEMM over a rank's experts, which has a limit.
-    fuser_error = te_expert_count_error(
-        SimpleNamespace(num_moe_experts=sizes.experts, expert_model_parallel_size=world_size)
+    cannot = unavailable(
+        modes, sizes, world_size, cuda=device.type == "cuda", gloo=world_size > 1 and dist.get_backend() != "nccl"
     )
-    deep_ep_error = f"deep_ep does not import: {missing}" if missing else deep_ep_shape_error(sizes.hidden)
     results: dict[str, ModeResult] = {}
     for _ in range(sizes.repeat):
         for mode in sorted(modes, key=lambda m: REFERENCES.index(m.name) if m.name in REFERENCES else len(REFERENCES)):
             starting(mode.name)
-            why = None
-            if mode.graph and device.type != "cuda":
-                why = GRAPH_SKIP_REASON
-            elif mode.graph and world_size > 1 and dist.get_backend() != "nccl":
-                why = GRAPH_GLOO_SKIP_REASON
-            elif mode.needs_deep_ep and deep_ep_error is not None:
-                why = deep_ep_error
-            elif mode.needs_te and te_error is not None:
-                why = te_error
-            elif mode.experts == "te-op-fuser" and fuser_error is not None:
-                why = fuser_error
+            why = cannot.get(mode.name)
             if why is not None:
                 results[mode.name] = ModeResult(mode.name, status="skipped", detail=why)
                 for _ in range(sizes.steps_per_mode):

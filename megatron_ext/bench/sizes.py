@@ -7,6 +7,7 @@ nothing of the bench's, so each of those can import it without a circle.
 from __future__ import annotations
 
 import argparse
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -71,15 +72,17 @@ def fill_sizes(args: argparse.Namespace) -> argparse.Namespace:
     return args
 
 
-def least_bytes(fields: dict, world_size: int, dtype_bytes: int) -> int:
+def least_bytes(fields: dict, world_size: int, dtype_bytes: int, capacity_factor: float = 1.0) -> int:
     """A lower bound of the memory the bench's `world_size` ranks hold together for this stack:
     the expert weights (GLU: 3 x hidden x FFN each) and their gradients, and on every rank each
-    layer's dispatched rows (tokens x top-k, hidden wide) and fc1 outputs (2 x FFN wide), kept for
-    the backward. The bench holds more: the checked steps' reference outputs and gradients, the
-    capacity's spare rows, the dispatch buffers."""
+    layer's dispatched rows (tokens x top-k, hidden wide; `capacity_factor` times as many in a
+    capacity mode, whose layers hold their capacity) and fc1 outputs (2 x FFN wide), kept for the
+    backward. The bench holds more: the checked steps' reference outputs and gradients, the
+    dispatch buffers."""
     weights = 2 * fields["layers"] * fields["experts"] * 3 * fields["hidden"] * fields["ffn_hidden"]
     rows = fields["tokens"] * fields["topk"]
-    activations = world_size * fields["layers"] * rows * (fields["hidden"] + 2 * fields["ffn_hidden"])
+    held = math.ceil(rows * max(capacity_factor, 1.0))
+    activations = world_size * fields["layers"] * (held * fields["hidden"] + rows * 2 * fields["ffn_hidden"])
     return (weights + activations) * dtype_bytes
 
 

@@ -48,14 +48,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatron_ext.logs import once_per_job
+from megatron_ext.option_fields import near_miss
 from megatron_ext.patches._compat import (
     SUPPORTED_MEGATRON_CORE,
     ChangedSignatureError,
     MovedSymbolError,
     Takes,
     UnsupportedMegatronError,
+    UnsupportedTorchError,
     check_megatron_version,
     check_signature,
+    check_torch_version,
     megatron_core_version,
     resolve,
     supported_range,
@@ -206,6 +209,7 @@ RUNTIME_SYMBOLS: tuple[tuple[str, str], ...] = (
     ("megatron.core.transformer.transformer_config.MLATransformerConfig", "arguments"),
     ("megatron.core.transformer.enums.CudaGraphModule", "arguments"),
     ("megatron.training.argument_utils.ArgumentGroupFactory", "arguments"),
+    ("megatron.training.arguments.add_megatron_arguments", "arguments"),
     ("megatron.core.models.gpt.gpt_layer_specs.LNImpl", "arguments"),
     ("megatron.core.transformer.torch_norm.WrappedTorchNorm", "arguments"),
     ("megatron.core.transformer.cuda_graphs.HAVE_TE_GRAPHS", "arguments"),
@@ -271,19 +275,63 @@ def applied() -> tuple[str, ...]:
     return tuple(_applied)
 
 
-def apply(*, dispatcher: bool = True, experts: bool = True, arguments: bool = True, training: bool = True) -> list[str]:
+def _feature_names(call: str, names: Any) -> list[str]:
+    """`names` (one name or a collection of them) as a list of names of FEATURES or of PATCHES'
+    targets; TypeError or ValueError naming `call`, the argument and the names it takes."""
+    if isinstance(names, str):  # one name, not the collection of its letters
+        names = [names]
+    try:
+        names = list(names)
+    except TypeError:
+        raise TypeError(f"{call}: give feature names ({', '.join(FEATURES)}) as strings; got {names!r}") from None
+    targets = {p.target for p in PATCHES}
+    for name in names:
+        if not isinstance(name, str):
+            raise TypeError(f"{call}: give feature names ({', '.join(FEATURES)}) as strings; got {name!r}")
+        if name not in FEATURES and name not in targets:
+            meant = near_miss(name, FEATURES)
+            hint = f"did you mean {meant!r}? " if meant else ""
+            raise ValueError(
+                f"{call}: no feature {name!r}; {hint}name one of {', '.join(FEATURES)}, or a dotted name that "
+                "apply() returned."
+            )
+    return names
+
+
+def _wanted(features: tuple, flags: dict[str, Any]) -> dict[str, bool]:
+    """Which features `apply(*features, **flags)` patches: the named ones, or those whose flag is True."""
+    for feature, value in flags.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"apply: {feature}= takes True or False; got {value!r}")
+    if not features:
+        return flags
+    named = _feature_names("apply", features)
+    if not set(named) <= set(FEATURES):  # a dotted target: apply patches whole features
+        raise ValueError(f"apply: name features ({', '.join(FEATURES)}), not patched attributes; got {named}")
+    refused = [f for f in named if not flags[f]]
+    if refused:
+        raise ValueError(f"apply: {refused[0]!r} named and {refused[0]}=False; name it or turn it off, not both")
+    return {feature: feature in named for feature in FEATURES}
+
+
+def apply(
+    *features: str, dispatcher: bool = True, experts: bool = True, arguments: bool = True, training: bool = True
+) -> list[str]:
     """Patch Megatron-Core; return the dotted names this call patched (none when already applied).
 
-    `training=False` leaves Megatron's training loop alone (and does not import it): for code that
-    runs MoE layers without `megatron.training.training.train`, as the bench and the tests do.
+    `apply()` patches every feature; `apply("dispatcher", "experts")` the features named (of
+    FEATURES); `training=False` leaves Megatron's training loop alone (and does not import it): for
+    code that runs MoE layers without `megatron.training.training.train`, as the bench and the tests do.
 
-    Raises `UnsupportedMegatronError` for a megatron-core outside the supported range,
+    Raises `UnsupportedMegatronError` for a megatron-core outside the supported range
+    (`UnsupportedTorchError` for a torch),
     `MovedSymbolError` naming a target that is not where it should be and `ChangedSignatureError`
     (a `MovedSymbolError`) naming a callable whose parameters changed; in every case nothing is
-    patched.
+    patched. A name not in FEATURES is a ValueError naming them, a flag that is not a bool a TypeError.
     """
+    wanted = _wanted(features, dict(dispatcher=dispatcher, experts=experts, arguments=arguments, training=training))
     check_megatron_version()
-    wanted = {"dispatcher": dispatcher, "experts": experts, "arguments": arguments, "training": training}
+    check_torch_version()
     for symbol, feature in RUNTIME_SYMBOLS:
         if wanted[feature]:
             resolve(symbol)  # MovedSymbolError naming it and the version
@@ -326,7 +374,15 @@ def apply(*, dispatcher: bool = True, experts: bool = True, arguments: bool = Tr
 
 
 def revert(targets: Any = None) -> list[str]:
-    """Restore the originals of `targets` (default: everything patched); return what was restored."""
+    """Restore the originals of `targets` (default: everything patched); return what was restored.
+
+    `targets`: a feature's name (of FEATURES) or a dotted name `apply()` returned, or a collection
+    of them (`apply()`'s list). A name of neither is a ValueError naming the features, never a
+    silent no-op; a name not patched now restores nothing.
+    """
+    if targets is not None:
+        wanted = set(_feature_names("revert", targets))
+        targets = {p.target for p in PATCHES if p.target in wanted or p.feature in wanted}
     names = [t for t in reversed(list(_applied)) if targets is None or t in targets]
     for name in names:
         owner, attribute, original = _applied.pop(name)
@@ -338,9 +394,9 @@ def revert(targets: Any = None) -> list[str]:
 
 
 @contextlib.contextmanager
-def patched(**features: bool) -> Iterator[list[str]]:
-    """Apply for the duration of a `with` block; revert only what this block applied."""
-    done = apply(**features)
+def patched(*names: str, **features: bool) -> Iterator[list[str]]:
+    """Apply (with `apply`'s arguments) for the duration of a `with` block; revert only what this block applied."""
+    done = apply(*names, **features)
     try:
         yield done
     finally:
@@ -357,9 +413,11 @@ __all__ = [
     "MovedSymbolError",
     "Takes",
     "UnsupportedMegatronError",
+    "UnsupportedTorchError",
     "applied",
     "apply",
     "check_megatron_version",
+    "check_torch_version",
     "megatron_core_version",
     "patched",
     "resolve",

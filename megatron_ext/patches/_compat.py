@@ -10,10 +10,17 @@ from typing import Any, Optional
 
 # Releases whose symbols megatron-ext was written and tested against: 0.19.x and the 0.20 line.
 SUPPORTED_MEGATRON_CORE = ((0, 19), (0, 21))  # [0.19, 0.21)
+# The torch releases megatron-ext runs on (its package's requirement): 2.8 brought what the
+# non-blocking dispatch needs; 2.14 is the newest tested.
+SUPPORTED_TORCH = ((2, 8), (2, 15))  # [2.8, 2.15)
 
 
 class UnsupportedMegatronError(RuntimeError):
     """The installed megatron-core is outside the supported range."""
+
+
+class UnsupportedTorchError(RuntimeError):
+    """The installed torch is outside the supported range."""
 
 
 class MovedSymbolError(RuntimeError):
@@ -24,9 +31,9 @@ class ChangedSignatureError(MovedSymbolError):
     """A Megatron-Core callable megatron-ext calls or wraps no longer takes the parameters it passes."""
 
 
-def supported_range() -> str:
-    """The supported megatron-core releases, as a requirement: `>=0.19,<0.21`."""
-    (low_major, low_minor), (high_major, high_minor) = SUPPORTED_MEGATRON_CORE
+def supported_range(releases: tuple[tuple[int, int], tuple[int, int]] = SUPPORTED_MEGATRON_CORE) -> str:
+    """The supported releases (default: megatron-core's), as a requirement: `>=0.19,<0.21`."""
+    (low_major, low_minor), (high_major, high_minor) = releases
     return f">={low_major}.{low_minor},<{high_major}.{high_minor}"
 
 
@@ -57,6 +64,22 @@ def check_megatron_version(version: Optional[str] = None) -> str:
             f"megatron-ext supports megatron-core {supported_range()}; found megatron-core {version}. "
             f"Install a supported release (pip install 'megatron-core{supported_range()}') "
             "or a megatron-ext release made for yours."
+        )
+    return version
+
+
+def check_torch_version(version: Optional[str] = None) -> str:
+    """Raise `UnsupportedTorchError` unless `version` (default: the installed torch's) is supported."""
+    if version is None:
+        import torch
+
+        version = torch.__version__
+    low, high = SUPPORTED_TORCH
+    if not low <= _release(version) < high:
+        wanted = supported_range(SUPPORTED_TORCH)
+        raise UnsupportedTorchError(
+            f"megatron-ext supports torch {wanted}; found torch {version}. Install a supported release "
+            f"(pip install 'torch{wanted}') or a megatron-ext release made for yours."
         )
     return version
 
