@@ -59,7 +59,10 @@ if [ "$LAYERS" = auto ]; then
   [ "$("${PYTHON:-python}" -c 'import transformer_engine.pytorch; print("te")' 2>/dev/null)" = te ] && LAYERS=te
 fi
 case $LAYERS in
-  te) layer_flags=(--transformer-impl transformer_engine) ;;
+  te) layer_flags=(--transformer-impl transformer_engine)
+    # Megatron's own output layer accumulates its weight gradient through apex's extension alone.
+    "${PYTHON:-python}" -c 'import fused_weight_gradient_mlp_cuda' >/dev/null 2>&1 ||
+      layer_flags+=(--no-gradient-accumulation-fusion) ;;
   # Without TE, apex or Megatron's CUDA extensions: the fused wgrad accumulation, masked softmax and
   # rope kernels are missing, and torch's norm refuses the persistent layer norm.
   local) layer_flags=(--transformer-impl local --no-gradient-accumulation-fusion --no-masked-softmax-fusion
