@@ -126,7 +126,7 @@ def test_a_deep_ep_buffer_with_the_flag_loads_instead_of_compiling(monkeypatch, 
 
 
 def test_the_warm_up_stores_the_kernels_it_compiled(monkeypatch, tmp_path):
-    from megatron_ext import warmup
+    from megatron_ext.training import warmup
 
     stored = []
     monkeypatch.setattr(kernel_cache, "store_all", lambda: stored.append(True) or 0)

@@ -199,7 +199,7 @@ class _Runner:
         timer = DispatchTimer(stack.layers)
         inputs = iter(self.inputs)
         if mode.overflow_rerun:
-            from megatron_ext.recovery import OverflowRerun
+            from megatron_ext.training.recovery import OverflowRerun
 
             self.recovery = OverflowRerun(self._megatron_step)
         try:

@@ -13,32 +13,7 @@ import os
 from pathlib import Path
 from typing import Any, Optional
 
-# The moved pieces, imported back: the names the checks below use, and re-exports (marked noqa F401)
-# of those other modules and tests import from here (`from megatron_ext.options import ...`).
-from megatron_ext.graph_checks import (  # noqa: F401 (re-exported: config.py, recovery.py)
-    PER_LAYER_GRAPHS,
-    _check_graphs,
-    _local_graph_inputs_released,
-    drop_and_pad,
-    graph_impl,
-    graph_modules,
-    graphs_dropless_moe,
-    graphs_hold_dispatch,
-)
-from megatron_ext.implementation import (  # noqa: F401 (re-exported: dispatcher.py, buffers, bench, tests)
-    _AUTO_FALLBACKS_LOGGED,
-    DEEP_EP_DISPATCH_ARGUMENTS,
-    DEEP_EP_FP8_HIDDEN_MULTIPLE,
-    DEEP_EP_HIDDEN_MULTIPLE,
-    DEEP_EP_MIN_HIDDEN,
-    DEEP_EP_TESTED_COMMIT,
-    accepts_keyword,
-    deep_ep_import_error,
-    deep_ep_shape_error,
-    requested_implementation,
-    resolve_implementation,
-)
-from megatron_ext.option_fields import (  # noqa: F401 (re-exported: config.py, the buffers, the tools)
+from megatron_ext.options.fields import (  # noqa: F401 (re-exported: config.py, the buffers, the tools)
     AUTO,
     BUFFER_IMPLEMENTATIONS,
     CAPACITY_FACTOR_FLAG,
@@ -55,6 +30,32 @@ from megatron_ext.option_fields import (  # noqa: F401 (re-exported: config.py, 
     OverflowPolicy,
     Transport,
     flag,
+)
+
+# The moved pieces, imported back: the names the checks below use, and re-exports (marked noqa F401)
+# of those other modules and tests import from here (`from megatron_ext.options import ...`).
+from megatron_ext.options.graph_checks import (  # noqa: F401 (re-exported: config.py, recovery.py)
+    PER_LAYER_GRAPHS,
+    _check_graphs,
+    _local_graph_inputs_released,
+    drop_and_pad,
+    graph_impl,
+    graph_modules,
+    graphs_dropless_moe,
+    graphs_hold_dispatch,
+)
+from megatron_ext.options.implementation import (  # noqa: F401 (re-exported: dispatcher.py, buffers, bench, tests)
+    _AUTO_FALLBACKS_LOGGED,
+    DEEP_EP_DISPATCH_ARGUMENTS,
+    DEEP_EP_FP8_HIDDEN_MULTIPLE,
+    DEEP_EP_HIDDEN_MULTIPLE,
+    DEEP_EP_MIN_HIDDEN,
+    DEEP_EP_TESTED_COMMIT,
+    accepts_keyword,
+    deep_ep_import_error,
+    deep_ep_shape_error,
+    requested_implementation,
+    resolve_implementation,
 )
 
 
