@@ -26,7 +26,7 @@ from megatron_ext.dispatcher import HybridEPCapacityManager, dispatch_managers, 
 from megatron_ext.hybridep import kernel_cache
 from megatron_ext.logs import once_per_job
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("megatron_ext.warmup")  # the name its lines had: users may filter by it
 
 
 def tokens_per_rank(config: Any, seq_length: int, micro_batch_size: int) -> int:
