@@ -196,7 +196,7 @@ def test_field_names():
         "moe_hybridep_warm_up",
         "moe_hybridep_kernel_cache",
     )
-    # the options the dispatcher reads are exactly these fields (options.py cannot import Megatron)
+    # the options the dispatcher reads are exactly these fields (megatron_ext.options cannot import Megatron)
     from megatron_ext.options import CONFIG_PREFIX, OPTION_NAMES
 
     assert tuple(CONFIG_PREFIX + name for name in OPTION_NAMES) == FIELD_NAMES

@@ -367,7 +367,7 @@ def counters_are_written_in_place_and_nothing_keeps_autograd_history(rank, world
 def host_work_under_capture_is_refused_by_name(rank, world):
     """During a CUDA graph capture a blocking dispatch (calibration), growing the capacity and the
     uneven-count pad raise GraphCaptureError saying why; a calibrated layer's dispatch runs. (No GPU
-    here: the capture is simulated by `capacity_policy.capturing`, the one place the refusals ask.)"""
+    here: the capture is simulated by `megatron_ext.capacity.policy.capturing`, the one place the refusals ask.)"""
     from megatron_ext.capacity import policy as dispatcher
     from megatron_ext.dispatcher import GraphCaptureError
 

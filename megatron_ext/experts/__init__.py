@@ -1,4 +1,9 @@
-"""MoE experts for capacity-mode dispatch: two grouped GEMMs, no host synchronisation.
+"""The expert computation and its checkpoints.
+
+Here: `GroupedMLP`. Beside it: its checkpoint layouts (`checkpoint.py`) and its activation
+recomputed in the backward (`activation_recompute.py`).
+
+MoE experts for capacity-mode dispatch: two grouped GEMMs, no host synchronisation.
 
 `GroupedMLP` takes the place of Megatron's `TEGroupedMLP` (`MoESubmodules(experts=GroupedMLP)`)
 when the dispatcher hands over a fixed number of rows P (a capacity) of which only the first

@@ -30,7 +30,7 @@ sizes, argument checks), the activation (`activation.py`), the row gathers and s
 
 from __future__ import annotations
 
-from megatron_ext.fused.activation import (  # noqa: F401 (re-exported: experts.py and the tests call fused.X)
+from megatron_ext.fused.activation import (  # noqa: F401 (re-exported: the experts and the tests call fused.X)
     GELU,
     SILU,
     activation_code,

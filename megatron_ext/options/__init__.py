@@ -1,8 +1,14 @@
-"""megatron-ext's MoE dispatch options, read from a Megatron config or an argparse namespace.
+"""The flags, their fields and their checks.
 
-This module does not import Megatron-Core: the same checks run on `parse_args`' namespace (so a
-bad flag combination stops the launch before anything is built), on a `TransformerConfig` at
-construction, and in the dispatcher. Every message names the flag and the fix.
+Here: megatron-ext's MoE dispatch options, read from a Megatron config or an argparse namespace,
+and their validation. Beside them: the options' fields, flags and error type (`fields.py`), whether
+deep_ep is usable and what `auto` picks (`implementation.py`), the CUDA-graph checks of a flag set
+(`graph_checks.py`), the TransformerConfig fields (`config.py`) and the hook into Megatron's
+argparse (`arguments.py`). Every name of the first three is imported here too.
+
+This module does not import Megatron-Core (`config.py` does): the same checks run on `parse_args`'
+namespace (so a bad flag combination stops the launch before anything is built), on a
+`TransformerConfig` at construction, and in the dispatcher. Every message names the flag and the fix.
 """
 
 from __future__ import annotations
@@ -13,6 +19,8 @@ import os
 from pathlib import Path
 from typing import Any, Optional
 
+# The moved pieces, imported back: the names the checks below use, and re-exports (marked noqa F401)
+# of those other modules and tests import from here (`from megatron_ext.options import ...`).
 from megatron_ext.options.fields import (  # noqa: F401 (re-exported: config.py, the buffers, the tools)
     AUTO,
     BUFFER_IMPLEMENTATIONS,
@@ -31,9 +39,6 @@ from megatron_ext.options.fields import (  # noqa: F401 (re-exported: config.py,
     Transport,
     flag,
 )
-
-# The moved pieces, imported back: the names the checks below use, and re-exports (marked noqa F401)
-# of those other modules and tests import from here (`from megatron_ext.options import ...`).
 from megatron_ext.options.graph_checks import (  # noqa: F401 (re-exported: config.py, recovery.py)
     PER_LAYER_GRAPHS,
     _check_graphs,
