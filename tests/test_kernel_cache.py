@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ext.hybridep import kernel_cache
-from megatron_ext.hybridep.kernel_cache import KernelCache, build_key, process_jit_dir
+from megatron_ext.hybridep.deep_ep_buffer import kernel_cache
+from megatron_ext.hybridep.deep_ep_buffer.kernel_cache import KernelCache, build_key, process_jit_dir
 
 
 @pytest.fixture(autouse=True)

@@ -505,8 +505,8 @@ def _describe(exc: BaseException) -> str:
 
 
 def _release() -> None:
-    from megatron_ext.hybridep.allgather import release_shared_routing_map_buffers
     from megatron_ext.hybridep.buffers import release_buffers
+    from megatron_ext.hybridep.torch_buffer.allgather import release_shared_routing_map_buffers
 
     release_buffers()
     release_shared_routing_map_buffers()

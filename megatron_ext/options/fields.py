@@ -19,7 +19,7 @@ AUTO: Final = "auto"
 BUFFER_IMPLEMENTATIONS: tuple[str, ...] = tuple(name for name in IMPLEMENTATIONS if name != AUTO)
 OverflowPolicy = Literal["rerun", "fail"]
 OVERFLOW_POLICIES: tuple[str, ...] = get_args(OverflowPolicy)
-# How the torch implementation's non-blocking dispatches move tokens (`megatron_ext.hybridep.exchange`).
+# How the torch implementation's non-blocking dispatches move tokens (`megatron_ext.hybridep.torch_buffer.exchange`).
 Transport = Literal["auto", "process_group", "nvshmem"]
 TRANSPORTS: tuple[str, ...] = get_args(Transport)
 

@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
-from megatron_ext.hybridep.kernel_cache import activate
+from megatron_ext.hybridep.deep_ep_buffer.kernel_cache import activate
 from megatron_ext.hybridep.protocol import HybridEPBuffer
 from megatron_ext.logs import once_per_group
 from megatron_ext.options import KERNEL_CACHE_FLAG, HybridEPConfigError, accepts_keyword, flag
