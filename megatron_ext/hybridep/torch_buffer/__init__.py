@@ -29,9 +29,11 @@ How tokens move (W ranks, T tokens per rank, rank r owns experts [r * L, (r + 1)
   left unwritten, as deep_ep leaves them; on CPU they are zero. One rank exchanges nothing.
 
 This module holds the buffer's constructor, its dispatch (plan, layout, row moves), its
-collectives and its combine's entry; the rest lives beside it: the handle (`torch_handle.py`), the
-argument checks (`torch_checks.py`) and the combine's row sums and moves (`torch_combine.py`), the
-last two inherited by `TorchHybridEPBuffer`.
+collectives and its combine's entry; the rest lives beside it in this package: the handle
+(`handle.py`), the argument checks (`checks.py`) and the combine's row sums and moves
+(`combine.py`), the last two inherited by `TorchHybridEPBuffer`; where each routed token lands
+(`layout.py`), the routing-map all-gather (`allgather.py`) and the exchanges that take their counts
+on the device (`exchange.py`).
 """
 
 from __future__ import annotations
