@@ -104,7 +104,7 @@ with quiet_imports_in_a_dry_run():
     )
     from megatron.training.global_vars import set_args
 
-    import megatron_ext.arguments
+    import megatron_ext.options.arguments
     import megatron_ext.patches
     from megatron_ext.experts import GroupedMLP
     from megatron_ext.logs import first_rank
@@ -161,7 +161,7 @@ def add_arguments(parser):
         "bit for bit.",
     )
     # Adds megatron-ext's flags only where the patch has not (it checks); always adds their checks.
-    return refuse_two_precisions(escape_stray_percent(megatron_ext.arguments.extra_args_provider(parser)))
+    return refuse_two_precisions(escape_stray_percent(megatron_ext.options.arguments.extra_args_provider(parser)))
 
 
 PRECISIONS = ("--fp16", "--bf16")
@@ -182,7 +182,7 @@ def refuse_two_precisions(parser):
             argv = list(sys.argv[1:] if args is None else args)
             # The one given last is the one meant (as a later flag wins for values).
             first, last = sorted(PRECISIONS, key=lambda f: max((i for i, a in enumerate(argv) if a == f), default=-1))
-            megatron_ext.arguments.refuse(
+            megatron_ext.options.arguments.refuse(
                 parser,
                 f"{first} and {last} are both set: they are two switches, so the later {last} does not turn {first} "
                 f"off, and Megatron trains in one precision. Pass one of them; to an example script, which passes "

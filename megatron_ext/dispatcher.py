@@ -26,11 +26,11 @@ deep_ep installed it is Megatron's own `MoEFlexTokenDispatcher`, unchanged. Othe
   step that made it (one kept across steps ties the captured backward to the eager step's stream).
   A graph freezes the capacity and the non-blocking branch: anything that changes them (growth, a
   blocking re-run) happens outside the graph, and whoever captured it must drop it then
-  (`megatron_ext.recovery` does for Megatron's graphs). Host work attempted under capture (a
+  (`megatron_ext.training.recovery` does for Megatron's graphs). Host work attempted under capture (a
   blocking dispatch, calibration, growth, the uneven-count pad) raises `GraphCaptureError`.
 
 What a layer decides (sizing and growth, which dispatch blocks, the overflow check, its counters and
-metrics) is `megatron_ext.capacity_policy.CapacityPolicy`, which the manager inherits; this module
+metrics) is `megatron_ext.capacity.policy.CapacityPolicy`, which the manager inherits; this module
 is the mechanics: token counts, buffers, the calls into them, and the dispatcher Megatron builds.
 
 Names: a layer's `capacity` is the host int its non-blocking dispatches are sized to (DeepEP's
@@ -51,9 +51,9 @@ import torch.distributed as dist
 from megatron.core.transformer.moe.moe_utils import get_align_size_for_quantization
 from megatron.core.transformer.moe.token_dispatcher import MoEFlexTokenDispatcher, MoETokenDispatcher
 
-from megatron_ext import budget as budgets
+from megatron_ext.capacity import budget as budgets
 from megatron_ext.capacity import equal_count_padding
-from megatron_ext.capacity_policy import (  # noqa: F401 - the names other modules import from here
+from megatron_ext.capacity.policy import (  # noqa: F401 - the names other modules import from here
     CAPACITY_USE_MAX_METRIC,
     CAPACITY_USE_METRIC,
     DEVICE_MESSAGE_LIMIT,
@@ -186,7 +186,7 @@ class HybridEPCapacityManager(CapacityPolicy):
         # Made at calibration; the bench reports them, the recovery's step-end check reads them.
         self.counters: Optional[DeviceCounters] = None
         self._recompute_blocking = 0  # no-grad calibration forwards still to be replayed blocking
-        # Set by megatron_ext.recovery around a training step (--moe-hybridep-overflow-policy rerun):
+        # Set by megatron_ext.training.recovery around a training step (--moe-hybridep-overflow-policy rerun):
         # an overflow is only counted in `overflows` instead of stopping on the device, and a re-run
         # dispatches blocking, keeping its largest row count.
         self.record_overflow = False
@@ -198,7 +198,7 @@ class HybridEPCapacityManager(CapacityPolicy):
         self.calibrated_expert_rows: Optional[int] = None  # the budget's rows before the factor (EP-group max)
         self._budget_counts: Optional[torch.Tensor] = None
         self.blocking_expert_rows_max = 0
-        # Set by megatron_ext.recovery in Megatron's training loop: each forward dispatch records
+        # Set by megatron_ext.training.recovery in Megatron's training loop: each forward dispatch records
         # its rows / capacity in Megatron's MoE metrics (a device add, no read).
         self.log_metrics = False
         self._inflight: Optional[InFlight] = None

@@ -25,7 +25,7 @@ USAGE = f"{PROG} SCRIPT [ARGS...]"
 
 
 def main(argv: list[str] | None = None) -> None:
-    from megatron_ext.arguments import stop
+    from megatron_ext.options.arguments import stop
 
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in ("-h", "--help"):
@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> None:
         stop(PROG, f"{script}: {what}; give the path of a Megatron training script (such as pretrain_gpt.py)")
     with _held_back():  # a refusal below is the only line; on success, what was held is said
         import megatron_ext.patches
-        from megatron_ext.arguments import check_script_arguments
+        from megatron_ext.options.arguments import check_script_arguments
 
         patches = megatron_ext.patches
         try:

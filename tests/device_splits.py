@@ -1,5 +1,5 @@
 """A `DeviceSplitsExchange` on a process group's collectives, for CPU tests of the buffer's exact
-non-blocking path (`megatron_ext.hybridep.exchange`), where NVSHMEM cannot run.
+non-blocking path (`megatron_ext.hybridep.torch_buffer.exchange`), where NVSHMEM cannot run.
 
 It keeps the exchange's contract without reading a count on the host: each rank sends every peer
 a slab the size of the whole send buffer, its rows for that peer at the slab's head, and the counts

@@ -56,7 +56,7 @@ GPU_DTYPE = dict(params_dtype=torch.bfloat16, bf16=True)
 
 
 def make_config(world_size: int, **overrides):
-    from megatron_ext.config import HybridEPTransformerConfig
+    from megatron_ext.options.config import HybridEPTransformerConfig
 
     on_device = GPU_DTYPE if on_gpu() else {}
     return HybridEPTransformerConfig(**{**BASE, **on_device, "expert_model_parallel_size": world_size, **overrides})

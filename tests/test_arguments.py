@@ -153,7 +153,7 @@ def escape_stray_percent(parser):
     `--help` with "ValueError: unsupported format character". Escape such '%'s, but never in
     megatron-ext's own help, which must print as it is.
     """
-    from megatron_ext.config import FIELD_NAMES
+    from megatron_ext.options.config import FIELD_NAMES
 
     for action in parser._actions:
         if not isinstance(action.help, str):
@@ -180,7 +180,7 @@ def hybridep_values(namespace_or_config):
 
 
 def test_field_names():
-    from megatron_ext.config import FIELD_NAMES
+    from megatron_ext.options.config import FIELD_NAMES
 
     assert FIELD_NAMES == (
         "moe_hybridep_capacity_factor",
@@ -196,7 +196,7 @@ def test_field_names():
         "moe_hybridep_warm_up",
         "moe_hybridep_kernel_cache",
     )
-    # the options the dispatcher reads are exactly these fields (options.py cannot import Megatron)
+    # the options the dispatcher reads are exactly these fields (megatron_ext.options cannot import Megatron)
     from megatron_ext.options import CONFIG_PREFIX, OPTION_NAMES
 
     assert tuple(CONFIG_PREFIX + name for name in OPTION_NAMES) == FIELD_NAMES
@@ -219,7 +219,7 @@ def test_patched_parse_args_defaults(patched, monkeypatch):
 def test_patched_config_from_args_carries_the_values(patched, monkeypatch):
     from megatron.training.arguments import core_transformer_config_from_args
 
-    from megatron_ext.config import HybridEPTransformerConfig
+    from megatron_ext.options.config import HybridEPTransformerConfig
 
     args = parse(patched, monkeypatch, *ALL_FLAGS, "--no-rope-fusion")
     args.params_dtype = torch.float32  # set by validate_args in a real launch
@@ -234,7 +234,7 @@ def test_patched_config_from_args_carries_the_values(patched, monkeypatch):
 def test_patched_config_from_args_after_validate_args(patched, monkeypatch):
     from megatron.training.arguments import core_transformer_config_from_args, validate_args
 
-    from megatron_ext.config import HybridEPTransformerConfig
+    from megatron_ext.options.config import HybridEPTransformerConfig
 
     args = parse(
         patched,
@@ -514,7 +514,8 @@ def test_patched_parse_args_refuses_deep_ep_at_a_hidden_size_it_cannot_take(
 
 
 def test_auto_picks_torch_at_a_hidden_size_deep_ep_cannot_take(monkeypatch, caplog):
-    from megatron_ext import implementation, options
+    from megatron_ext import options
+    from megatron_ext.options import implementation
 
     monkeypatch.setattr(implementation, "deep_ep_import_error", lambda: None)  # as where deep_ep imports
     monkeypatch.setattr(implementation, "_AUTO_FALLBACKS_LOGGED", set())
@@ -537,7 +538,8 @@ def test_auto_picks_torch_at_a_hidden_size_deep_ep_cannot_take(monkeypatch, capl
 def test_compact_routing_makes_auto_pick_torch(monkeypatch, caplog):
     """deep_ep's dispatch gathers the dense map whatever it is given: with compact routing, auto
     takes the torch implementation where it would take deep_ep, and says so once."""
-    from megatron_ext import dispatcher, implementation, options
+    from megatron_ext import dispatcher, options
+    from megatron_ext.options import implementation
 
     monkeypatch.setattr(implementation, "deep_ep_import_error", lambda: None)  # as where deep_ep imports
     monkeypatch.setattr(implementation, "_AUTO_FALLBACKS_LOGGED", set())
@@ -705,7 +707,7 @@ def test_patched_parse_errors_are_one_line_naming_the_flag_meant(patched, monkey
 
 
 def test_extra_args_provider_parse_errors_are_one_line_too(unpatched, monkeypatch, capsys):
-    from megatron_ext.arguments import extra_args_provider
+    from megatron_ext.options.arguments import extra_args_provider
 
     err = parse_error(
         unpatched, monkeypatch, capsys, "--moe-hybridep-capacity-factr", "2", provider=extra_args_provider
@@ -723,7 +725,7 @@ def test_unpatched_parse_args_rejects_the_flags(unpatched, monkeypatch, capsys):
 
 
 def test_extra_args_provider_accepts_the_flags(unpatched, monkeypatch):
-    from megatron_ext.arguments import extra_args_provider
+    from megatron_ext.options.arguments import extra_args_provider
 
     args = parse(unpatched, monkeypatch, *ALL_FLAGS, provider=extra_args_provider)
     assert hybridep_values(args) == ALL_VALUES
@@ -733,7 +735,7 @@ def test_extra_args_provider_accepts_the_flags(unpatched, monkeypatch):
 
 
 def test_extra_args_provider_help(unpatched, monkeypatch, capsys):
-    from megatron_ext.arguments import GROUP_TITLE, extra_args_provider
+    from megatron_ext.options.arguments import GROUP_TITLE, extra_args_provider
 
     out = print_help(unpatched, monkeypatch, capsys, lambda parser: escape_stray_percent(extra_args_provider(parser)))
 
@@ -753,7 +755,7 @@ def test_extra_args_provider_help(unpatched, monkeypatch, capsys):
     ids=["factor-below-1", "verify-without-equal", "reuse-alltoall"],
 )
 def test_extra_args_provider_refuses_invalid_combinations(unpatched, monkeypatch, capsys, extra, expected):
-    from megatron_ext.arguments import extra_args_provider
+    from megatron_ext.options.arguments import extra_args_provider
 
     err = parse_error(unpatched, monkeypatch, capsys, *extra, provider=extra_args_provider)
     for text in expected:
@@ -761,7 +763,7 @@ def test_extra_args_provider_refuses_invalid_combinations(unpatched, monkeypatch
 
 
 def test_patch_and_extra_args_provider_together(patched, monkeypatch, capsys):
-    from megatron_ext.arguments import extra_args_provider
+    from megatron_ext.options.arguments import extra_args_provider
 
     # Adding the flags a second time would raise argparse.ArgumentError (conflicting option string).
     args = parse(patched, monkeypatch, *ALL_FLAGS, provider=extra_args_provider)
@@ -775,7 +777,7 @@ def test_patch_and_extra_args_provider_together(patched, monkeypatch, capsys):
 
 
 def test_the_launchers_check_leaves_help_and_the_scripts_own_flags_to_the_script(patched, capsys):
-    from megatron_ext.arguments import check_script_arguments
+    from megatron_ext.options.arguments import check_script_arguments
 
     check_script_arguments("train.py", [*BASE_ARGV[1:], "--help"])  # no exit: the script's parse prints its help
     check_script_arguments("train.py", [*BASE_ARGV[1:], "--my-own-flag", "3"])  # an extra_args_provider's flag
@@ -792,7 +794,7 @@ def test_the_launchers_check_leaves_help_and_the_scripts_own_flags_to_the_script
 def test_install_validation_is_idempotent():
     import argparse
 
-    from megatron_ext.arguments import install_validation
+    from megatron_ext.options.arguments import install_validation
 
     parser = argparse.ArgumentParser()
     assert install_validation(parser) is parser
@@ -860,8 +862,8 @@ def test_install_validation_is_idempotent():
     ],
 )
 def test_config_refuses_invalid_combinations(bad, message):
-    from megatron_ext.config import HybridEPTransformerConfig
     from megatron_ext.options import HybridEPConfigError
+    from megatron_ext.options.config import HybridEPTransformerConfig
 
     assert issubclass(HybridEPConfigError, ValueError)
     with pytest.raises(ValueError) as err:
@@ -871,7 +873,7 @@ def test_config_refuses_invalid_combinations(bad, message):
 
 
 def test_config_keeps_valid_values():
-    from megatron_ext.config import HybridEPTransformerConfig
+    from megatron_ext.options.config import HybridEPTransformerConfig
 
     config = HybridEPTransformerConfig(**TINY, **HYBRIDEP, **ALL_VALUES)
     assert hybridep_values(config) == ALL_VALUES
@@ -983,7 +985,7 @@ def test_patched_parse_args_accepts_graphs_of_capacity_mode(patched, monkeypatch
 def test_config_lifts_megatrons_moe_graph_refusal_for_capacity_mode_with_equal_counts():
     from megatron.core.transformer.enums import CudaGraphModule
 
-    from megatron_ext.config import HybridEPTransformerConfig
+    from megatron_ext.options.config import HybridEPTransformerConfig
 
     graphed = dict(TINY, **HYBRIDEP, cuda_graph_impl="local", cuda_graph_modules=["moe"])
     config = HybridEPTransformerConfig(

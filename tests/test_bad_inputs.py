@@ -114,7 +114,7 @@ def config(**fields: Any) -> Callable[[Path], Any]:
     """`HybridEPTransformerConfig(**fields)` of a small MoE model."""
 
     def call(folder: Path):
-        from megatron_ext.config import HybridEPTransformerConfig
+        from megatron_ext.options.config import HybridEPTransformerConfig
 
         HybridEPTransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=1, num_moe_experts=4, **fields)
 

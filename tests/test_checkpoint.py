@@ -130,7 +130,7 @@ def _train(layer, inputs):
 
 
 def resumed_run_relearns_capacity_and_equals_the_continued_run(rank, world, directory):
-    from megatron_ext import recovery
+    from megatron_ext.training import recovery
 
     inputs = step_inputs(rank, 4, 32, 16, seed=41)
     continued = moe_layer(make_config(world, **CAPACITY), experts="grouped", seed=12)

@@ -1,4 +1,4 @@
-"""How the torch buffer's non-blocking dispatches choose their transport (`hybridep.exchange`):
+"""How the torch buffer's non-blocking dispatches choose their transport (`hybridep.torch_buffer.exchange`):
 the group's collectives unless NVSHMEM's exact-bytes exchange can serve the group, the choice
 logged, an explicit 'nvshmem' that cannot be had refused by name, and `get_buffer` handing the
 flag's value to the buffer. (The exchange itself: `tests/test_torch_buffer.py` through a stand-in
@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ext.hybridep.buffers import get_buffer, release_buffers
-from megatron_ext.hybridep.exchange import choose_exchange
+from megatron_ext.hybridep.torch_buffer.exchange import choose_exchange
 from tests.distributed import run_ranks
 
 

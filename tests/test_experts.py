@@ -325,7 +325,7 @@ def test_sharded_state_dict_is_te_grouped_mlp_global_layout(pg):
 def test_grouped_mlp_has_what_the_checkpoint_functions_read(pg):
     """experts_checkpoint reads GroupedMLP and its linears through protocols, so that it imports
     nothing of megatron_ext.experts (no import circle): the modules must keep what they name."""
-    from megatron_ext import experts_checkpoint
+    from megatron_ext.experts import checkpoint as experts_checkpoint
 
     module = GroupedMLP(L, _config(bias=True), pg_collection=pg)
     for protocol, instances in (

@@ -76,7 +76,7 @@ def test_compact_routing_gather_replays_in_a_cuda_graph(nccl_group):
     """Compact routing's device work (map -> top-k indices, the gather, the over-k assert, the
     expansion) captured once and replayed on fresh maps, no host read, each replay giving back its
     map. One NCCL rank: the gather is called as at several ranks (a group of one skips it)."""
-    from megatron_ext.hybridep.allgather import RoutingMapGather
+    from megatron_ext.hybridep.torch_buffer.allgather import RoutingMapGather
     from megatron_ext.tooling.sync import forbid_host_sync
 
     T, E, K = 512, 64, 8

@@ -110,7 +110,7 @@ def _full_iteration(layer, rerun):
     from megatron.core import full_cuda_graph
     from megatron.core.full_cuda_graph import FullCudaGraphWrapper
 
-    from megatron_ext.recovery import full_iteration_graph
+    from megatron_ext.training.recovery import full_iteration_graph
 
     FullCudaGraphWrapper.cuda_graph["training"] = None
     FullCudaGraphWrapper.curr_iteration["training"] = 0
@@ -154,7 +154,7 @@ def test_an_overflow_inside_a_replayed_full_iteration_graph_is_rerun_and_recaptu
     from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 
     from megatron_ext.dispatcher import CAPACITY_USE_METRIC
-    from megatron_ext.recovery import OverflowRerun
+    from megatron_ext.training.recovery import OverflowRerun
 
     _needs(implementation)
     # Megatron's RNG states as its training loop makes them with CUDA graphs (the wrapper registers them).
@@ -263,7 +263,7 @@ def test_an_overflow_under_per_layer_graphs_is_rerun_and_captured_again(megatron
     from megatron.core.transformer.cuda_graphs import _CudagraphGlobalRecord
 
     import megatron_ext.patches as patches
-    from megatron_ext.recovery import OverflowRerun, drop_per_layer_graphs
+    from megatron_ext.training.recovery import OverflowRerun, drop_per_layer_graphs
 
     if norm == "te":
         pytest.importorskip("transformer_engine.pytorch")

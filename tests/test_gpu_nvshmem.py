@@ -27,7 +27,7 @@ WORLD = 2
 
 
 def _nvshmem_exchange(group):
-    from megatron_ext.hybridep.exchange import choose_exchange
+    from megatron_ext.hybridep.torch_buffer.exchange import choose_exchange
     from tests.device_splits import CountingExchange
 
     return CountingExchange(choose_exchange(group, "nvshmem", row_bytes=64))  # the cases' rows: 32 or 64 bytes
@@ -53,7 +53,7 @@ def mps():
     """A private CUDA MPS daemon for this module's child processes."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    from megatron_ext.hybridep.exchange import nvshmem_unavailable  # noqa: F401 - import check only
+    from megatron_ext.hybridep.torch_buffer.exchange import nvshmem_unavailable  # noqa: F401 - import check only
 
     with private_mps(WORLD):
         yield

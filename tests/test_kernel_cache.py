@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ext.hybridep import kernel_cache
-from megatron_ext.hybridep.kernel_cache import KernelCache, build_key, process_jit_dir
+from megatron_ext.hybridep.deep_ep_buffer import kernel_cache
+from megatron_ext.hybridep.deep_ep_buffer.kernel_cache import KernelCache, build_key, process_jit_dir
 
 
 @pytest.fixture(autouse=True)
@@ -126,7 +126,7 @@ def test_a_deep_ep_buffer_with_the_flag_loads_instead_of_compiling(monkeypatch, 
 
 
 def test_the_warm_up_stores_the_kernels_it_compiled(monkeypatch, tmp_path):
-    from megatron_ext import warmup
+    from megatron_ext.training import warmup
 
     stored = []
     monkeypatch.setattr(kernel_cache, "store_all", lambda: stored.append(True) or 0)

@@ -5,7 +5,7 @@ total carry N * L (a token that does not exist)."""
 
 import torch
 
-from megatron_ext.hybridep.layout import expert_layout, round_up
+from megatron_ext.hybridep.torch_buffer.layout import expert_layout, round_up
 
 # 5 tokens, 2 local experts: expert 0 gets tokens 1, 3, 4; expert 1 gets tokens 0, 3.
 MAP = torch.tensor([[0, 1], [1, 0], [0, 0], [1, 1], [1, 0]], dtype=torch.bool)

@@ -287,8 +287,8 @@ def compact_routing_equals_dense(rank, world):
     """--moe-hybridep-compact-routing in Megatron MoE layers (auto: the torch implementation), blocking
     and in capacity mode with equal counts and reuse (no host read): bitwise the dense gather's
     results, E / (2k) fewer routing-map bytes sent, the reused buffers allocated once."""
-    from megatron_ext.hybridep.allgather import release_shared_routing_map_buffers
     from megatron_ext.hybridep.buffers import release_buffers
+    from megatron_ext.hybridep.torch_buffer.allgather import release_shared_routing_map_buffers
     from megatron_ext.tooling.sync import forbid_host_sync
 
     release_buffers()

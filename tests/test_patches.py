@@ -63,8 +63,8 @@ def originals():
 
 @pytest.fixture(scope="module")
 def replacements(originals):
-    from megatron_ext.config import HybridEPMLATransformerConfig, HybridEPTransformerConfig
     from megatron_ext.dispatcher import HybridEPTokenDispatcher
+    from megatron_ext.options.config import HybridEPMLATransformerConfig, HybridEPTransformerConfig
 
     return {
         DISPATCHER: HybridEPTokenDispatcher,
@@ -133,8 +133,8 @@ def test_apply_replaces_every_target_and_logs_it(originals, replacements, caplog
     import megatron.training.argument_utils as argument_utils
     import megatron.training.arguments as arguments
 
-    from megatron_ext.config import HybridEPMLATransformerConfig, HybridEPTransformerConfig
     from megatron_ext.dispatcher import HybridEPTokenDispatcher
+    from megatron_ext.options.config import HybridEPMLATransformerConfig, HybridEPTransformerConfig
 
     assert moe_layer.MoEFlexTokenDispatcher is HybridEPTokenDispatcher
     assert arguments.TransformerConfig is HybridEPTransformerConfig
@@ -671,7 +671,7 @@ def _report_020(self, loss_scale, iteration, writer=None, wandb_writer=None, per
 @pytest.mark.parametrize("original", [_report_019, _report_020], ids=["0.19", "0.20"])
 @pytest.mark.parametrize("by", ["keyword", "position"])
 def test_report_patch_adds_capacity_metrics_however_track_names_is_passed(monkeypatch, original, by):
-    import megatron_ext.recovery as recovery
+    import megatron_ext.training.recovery as recovery
     from megatron_ext.dispatcher import CAPACITY_USE_MAX_METRIC, CAPACITY_USE_METRIC
 
     monkeypatch.setattr(recovery, "_capacity_metrics", True)

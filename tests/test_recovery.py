@@ -1,4 +1,4 @@
-"""Capacity-mode overflow recovery in Megatron's training loop (`megatron_ext.recovery`), on 1 and
+"""Capacity-mode overflow recovery in Megatron's training loop (`megatron_ext.training.recovery`), on 1 and
 2 spawned gloo ranks with real Megatron MoE layers.
 
 The step function stands in for Megatron's `forward_backward_func`: it runs the step's
@@ -64,7 +64,7 @@ def _assert_same_step(expected, actual):
 
 def overflow_reruns_the_step_blocking_and_grows_the_capacity(rank, world, replays=0, **options):
     from megatron_ext.capacity import capacity_from_rows
-    from megatron_ext.recovery import OverflowRerun
+    from megatron_ext.training.recovery import OverflowRerun
 
     layer, blocking, manager = _layers(world, **options)
     runner = OverflowRerun(_forward_backward)
@@ -126,7 +126,7 @@ def delayed_scaling_is_put_back_before_a_rerun(rank, world):
     """An overflowed step recorded amaxes and remade its scales before it was discarded: its re-run
     starts from the scales the step began with, so the kept step, the step after it and the state
     they leave equal the blocking run's, bitwise."""
-    from megatron_ext.recovery import OverflowRerun
+    from megatron_ext.training.recovery import OverflowRerun
 
     layer, blocking, manager = _layers(world)
     model, reference = _DelayedScaled(layer), _DelayedScaled(blocking)
@@ -152,7 +152,7 @@ def recompute_replays_across_the_rerun_and_the_growth(rank, world):
 
 
 def no_overflow_no_rerun(rank, world):
-    from megatron_ext.recovery import OverflowRerun
+    from megatron_ext.training.recovery import OverflowRerun
 
     layer, blocking, manager = _layers(world)
     runner = OverflowRerun(_forward_backward)
@@ -163,7 +163,7 @@ def no_overflow_no_rerun(rank, world):
 
 
 def thin_headroom_grows_the_capacity_before_an_overflow(rank, world):
-    from megatron_ext.recovery import OverflowRerun
+    from megatron_ext.training.recovery import OverflowRerun
 
     layer, blocking, manager = _layers(world)
     runner = OverflowRerun(_forward_backward)
@@ -184,7 +184,7 @@ def capacity_use_goes_to_megatrons_moe_metrics(rank, world):
     from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 
     from megatron_ext.dispatcher import CAPACITY_USE_MAX_METRIC, CAPACITY_USE_METRIC
-    from megatron_ext.recovery import OverflowRerun
+    from megatron_ext.training.recovery import OverflowRerun
 
     layer, _, manager = _layers(world)
     runner = OverflowRerun(_forward_backward)
@@ -218,7 +218,7 @@ def capacity_use_max_is_the_largest_recorded_use_to_the_bit(rank, world):
 
     from megatron_ext.capacity import capacity_alignment, capacity_reciprocal
     from megatron_ext.dispatcher import CAPACITY_USE_MAX_METRIC, CAPACITY_USE_METRIC
-    from megatron_ext.recovery import OverflowRerun
+    from megatron_ext.training.recovery import OverflowRerun
 
     layer, _, manager = _layers(world)
     runner = OverflowRerun(_forward_backward)
@@ -275,7 +275,7 @@ def calibration_is_logged_once_per_ep_group(rank, world):
 
 
 def fail_policy_stops_on_the_device(rank, world):
-    from megatron_ext.recovery import OverflowRerun
+    from megatron_ext.training.recovery import OverflowRerun
 
     layer, _, manager = _layers(world, moe_hybridep_overflow_policy="fail")
     runner = OverflowRerun(_forward_backward)
@@ -297,8 +297,8 @@ def routing_shift_mid_training_is_survived_bitwise(rank, world):
     from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 
     from megatron_ext.dispatcher import CAPACITY_USE_METRIC
-    from megatron_ext.recovery import OverflowRerun
     from megatron_ext.tooling.sync import count_host_syncs
+    from megatron_ext.training.recovery import OverflowRerun
 
     layer, blocking, manager = _layers(world)
     runner = OverflowRerun(_forward_backward)
@@ -343,7 +343,7 @@ def counters_are_written_in_place_and_nothing_keeps_autograd_history(rank, world
     """What a replayed CUDA graph must update lives in the tensors made at calibration (the overflow
     policy reads those, never a tensor rebound by Python), and no tensor the manager keeps past a
     step carries autograd history (it would tie a captured backward to an earlier step's stream)."""
-    from megatron_ext.recovery import OverflowRerun
+    from megatron_ext.training.recovery import OverflowRerun
 
     layer, blocking, manager = _layers(world)
     runner = OverflowRerun(_forward_backward)
@@ -367,8 +367,8 @@ def counters_are_written_in_place_and_nothing_keeps_autograd_history(rank, world
 def host_work_under_capture_is_refused_by_name(rank, world):
     """During a CUDA graph capture a blocking dispatch (calibration), growing the capacity and the
     uneven-count pad raise GraphCaptureError saying why; a calibrated layer's dispatch runs. (No GPU
-    here: the capture is simulated by `capacity_policy.capturing`, the one place the refusals ask.)"""
-    from megatron_ext import capacity_policy as dispatcher
+    here: the capture is simulated by `megatron_ext.capacity.policy.capturing`, the one place the refusals ask.)"""
+    from megatron_ext.capacity import policy as dispatcher
     from megatron_ext.dispatcher import GraphCaptureError
 
     layer, _, manager = _layers(world, moe_hybridep_equal_token_counts=True)
@@ -402,7 +402,7 @@ def capacity_use_follows_a_layer_numbered_after_it_was_built(rank, world):
 
     from megatron_ext.bench.stack import experts_spec
     from megatron_ext.dispatcher import CAPACITY_USE_MAX_METRIC, CAPACITY_USE_METRIC
-    from megatron_ext.recovery import OverflowRerun
+    from megatron_ext.training.recovery import OverflowRerun
 
     config = make_config(world, **FLEX, num_layers=4, moe_hybridep_capacity_factor=1.5)
     torch.manual_seed(3)
@@ -454,7 +454,7 @@ def full_iteration_graph_keeps_the_policy_outside(rank, world):
     graph holds the plain step function and the policy holds the graph: an overflow re-runs the step
     eagerly (not through the graph) and blocking, grows the capacity, and drops the graph, to be
     captured again after one eager step."""
-    from megatron_ext.recovery import OverflowRerun, full_iteration_graph
+    from megatron_ext.training.recovery import OverflowRerun, full_iteration_graph
 
     layer, blocking, manager = _layers(world)
     rerun = OverflowRerun(_forward_backward)
@@ -481,7 +481,8 @@ def per_layer_graphs_rerun_eagerly_and_are_captured_again(rank, world):
     through megatron-ext's patch of it."""
     import megatron.core.transformer.cuda_graphs as cuda_graphs
 
-    from megatron_ext import patches, recovery
+    from megatron_ext import patches
+    from megatron_ext.training import recovery
 
     layer, blocking, manager = _layers(world)
     layer.config.cuda_graph_impl = "local"  # read per step by the policy; the layer was built without graphs
@@ -538,7 +539,7 @@ def per_layer_graphs_rerun_eagerly_and_are_captured_again(rank, world):
 def a_rerun_that_runs_no_blocking_dispatch_stops_the_job(rank, world):
     """A re-run that replayed a graph (its layers ran no blocking dispatch) would train on the
     truncated tokens of the overflow it re-runs: it stops with an error naming the layer."""
-    from megatron_ext.recovery import OverflowRerun
+    from megatron_ext.training.recovery import OverflowRerun
 
     layer, _, manager = _layers(world)
     calls = []
@@ -619,7 +620,7 @@ def test_the_patch_wraps_the_schedule_of_megatrons_training_loop():
     from megatron.core.transformer import cuda_graphs
 
     import megatron_ext.patches as patches
-    from megatron_ext.recovery import OverflowRerun
+    from megatron_ext.training.recovery import OverflowRerun
 
     with patches.patched(dispatcher=False, experts=False, arguments=False, training=True) as done:
         import megatron.training.training as training
@@ -647,7 +648,7 @@ def test_the_patch_wraps_the_schedule_of_megatrons_training_loop():
 def test_delayed_scaling_state_is_kept_and_put_back():
     """Kept: each module's scales and amax histories as they were; a module without them yet (before
     its first fp8 step) gets TE's initial state back; modules without fp8 state are left alone."""
-    from megatron_ext.recovery import DelayedScalingState
+    from megatron_ext.training.recovery import DelayedScalingState
 
     made_later, other = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
     made_later.fp8_meta = {}
@@ -682,7 +683,7 @@ def test_recipe_states_without_delayed_scaling_are_left_alone():
     --fp8-recipe blockwise stopped at its first kept step with an AttributeError before)."""
     import types
 
-    from megatron_ext.recovery import DelayedScalingState
+    from megatron_ext.training.recovery import DelayedScalingState
 
     blockwise, made_later = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
     state_object = types.SimpleNamespace(dtype="e4m3")
@@ -704,7 +705,7 @@ def test_dropped_full_iteration_graphs_are_captured_again_into_a_new_pool(single
     graphs forgets the handle, so the next capture makes a new pool."""
     from megatron.core import full_cuda_graph
 
-    from megatron_ext.recovery import drop_graphs
+    from megatron_ext.training.recovery import drop_graphs
 
     handle = (0, 12345)
     monkeypatch.setattr(full_cuda_graph, "_shared_graph_pool", handle)
@@ -729,7 +730,7 @@ def test_dropped_full_iteration_graphs_are_captured_again_into_a_new_pool(single
 def test_without_the_rerun_policy_the_step_passes_through(config):
     import types
 
-    from megatron_ext.recovery import OverflowRerun
+    from megatron_ext.training.recovery import OverflowRerun
 
     seen = {}
 
@@ -746,9 +747,9 @@ def test_without_the_rerun_policy_the_step_passes_through(config):
 
 @pytest.mark.parametrize("on", [True, False])
 def test_the_moe_metrics_report_names_capacity_use_in_capacity_mode(on, monkeypatch):
-    from megatron_ext import recovery
     from megatron_ext.dispatcher import CAPACITY_USE_MAX_METRIC, CAPACITY_USE_METRIC
     from megatron_ext.patches import _moe_metrics_report
+    from megatron_ext.training import recovery
 
     seen = []
     report = _moe_metrics_report(lambda self, track_names=None, **kwargs: seen.append(track_names))
@@ -793,7 +794,7 @@ class _Layer:
 
 
 def _step_check(layers: list, model_layers: int):
-    from megatron_ext.recovery import StepCheck
+    from megatron_ext.training.recovery import StepCheck
 
     check = StepCheck(layers)
     for layer in layers:  # a step: each layer's rows, and layer 2 overflows
@@ -835,7 +836,7 @@ def test_the_step_check_sees_thin_headroom_and_counts_before_the_step_as_old(mon
     layers[1].counters.overflows.fill_(5)  # overflowed in an earlier step: not this one's
     overflowed, thin, _ = _step_check(layers[:1] + [_Layer(3, 100, 90)], 3)
     assert not overflowed and not thin  # layer 3 filled 30 rows, below its 95
-    from megatron_ext.recovery import StepCheck
+    from megatron_ext.training.recovery import StepCheck
 
     check = StepCheck(layers)
     layers[1].counters.rows_used.fill_(56)  # above 10 + 90 // 2 = 55

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_ext import budget as budgets
+from megatron_ext.capacity import budget as budgets
 from megatron_ext.capacity import budget_from_rows
 from tests.megatron_env import FLEX, copy_weights, make_config, megatron_check_tests, moe_layer, run_steps, step_inputs
 
@@ -149,7 +149,7 @@ def over_budget_stops_on_the_device(rank, world):
 def over_budget_is_rerun_and_the_budget_grows(rank, world):
     """In Megatron's loop (the overflow policy around the step): the step re-runs blocking, equal to
     the blocking layer, and the budget grows to fit; the next step runs non-blocking again."""
-    from megatron_ext.recovery import OverflowRerun
+    from megatron_ext.training.recovery import OverflowRerun
     from tests.test_recovery import _assert_same_step, _forward_backward, _step
 
     static, blocking, manager = _layers(world)
@@ -172,7 +172,7 @@ def over_budget_is_rerun_and_the_budget_grows(rank, world):
 def thin_budget_headroom_grows_the_budget_before_an_overflow(rank, world):
     """A step in which some expert used more than half the room above the calibrated rows: no
     re-run, the budget grows after it (as the capacity does), the step equal to blocking's."""
-    from megatron_ext.recovery import OverflowRerun
+    from megatron_ext.training.recovery import OverflowRerun
     from tests.test_recovery import _forward_backward, _step
 
     static, blocking, manager = _layers(world)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from megatron_ext.host_constant import host_constant
+from megatron_ext.capacity.host_constant import host_constant
 from megatron_ext.tooling.sync import HostSyncError, count_host_syncs, forbid_host_sync, runahead_probe
 
 X = torch.arange(1.0, 6.0)

@@ -508,7 +508,8 @@ REUSE_CHECKS = (
 
 
 def _reuse(checks, rank, world_size):
-    from megatron_ext.hybridep import TorchHybridEPBuffer, allgather, release_shared_routing_map_buffers
+    from megatron_ext.hybridep import TorchHybridEPBuffer, release_shared_routing_map_buffers
+    from megatron_ext.hybridep.torch_buffer import allgather
 
     release_shared_routing_map_buffers()
     num_experts = 4 * world_size

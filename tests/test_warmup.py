@@ -1,4 +1,4 @@
-"""`megatron_ext.warmup`: every MoE layer's buffer built and dispatch run before the first step,
+"""`megatron_ext.training.warmup`: every MoE layer's buffer built and dispatch run before the first step,
 on 1 and 2 spawned gloo ranks, and the training patch that calls it before Megatron's `train`."""
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def warm_up_builds_the_buffer_and_changes_no_layer_state(rank, world):
     has not calibrated, counted or dispatched anything of its own; two layers of the same shape
     are warmed once; the steps that follow equal those of a layer never warmed, bitwise."""
     from megatron_ext.hybridep import buffers
-    from megatron_ext.warmup import warm_up
+    from megatron_ext.training.warmup import warm_up
 
     buffers.release_buffers()
     flags = dict(**FLEX, moe_hybridep_capacity_factor=1.5, moe_hybridep_equal_token_counts=True)
@@ -57,7 +57,7 @@ def warm_up_builds_the_buffer_and_changes_no_layer_state(rank, world):
 
 
 def warm_up_refuses_no_tokens(rank, world):
-    from megatron_ext.warmup import warm_up
+    from megatron_ext.training.warmup import warm_up
 
     with pytest.raises(ValueError, match="num_tokens must be a positive number"):
         warm_up(moe_layer(make_config(world, **FLEX)), 0)
@@ -65,7 +65,7 @@ def warm_up_refuses_no_tokens(rank, world):
 
 def blocking_layers_are_warmed_too(rank, world):
     from megatron_ext.hybridep import buffers
-    from megatron_ext.warmup import warm_up
+    from megatron_ext.training.warmup import warm_up
 
     buffers.release_buffers()
     layer = moe_layer(make_config(world, **FLEX))  # no deep_ep here: megatron-ext's torch buffer
@@ -83,7 +83,7 @@ def deep_ep_is_warmed_blocking_only(rank, world):
     import sys
 
     from megatron_ext.hybridep import TorchHybridEPBuffer, buffers
-    from megatron_ext.warmup import warm_up
+    from megatron_ext.training.warmup import warm_up
 
     class StandIn(TorchHybridEPBuffer):
         pass
@@ -105,7 +105,7 @@ def warm_up_before_training_reads_megatrons_shape(rank, world):
     from megatron.training import global_vars
 
     from megatron_ext.hybridep import buffers
-    from megatron_ext.warmup import tokens_per_rank, warm_up_before_training
+    from megatron_ext.training.warmup import tokens_per_rank, warm_up_before_training
 
     buffers.release_buffers()
     global_vars._GLOBAL_ARGS = types.SimpleNamespace(seq_length=24, micro_batch_size=2)
@@ -128,7 +128,7 @@ def kernel_cache_on_the_torch_implementation_says_it_keeps_nothing(rank, world):
     import tempfile
     from pathlib import Path
 
-    from megatron_ext.warmup import warm_up
+    from megatron_ext.training.warmup import warm_up
 
     said = []
     handler = logging.Handler()
@@ -170,18 +170,20 @@ results, test_warmup = megatron_check_tests(CHECKS, WORLD_SIZES)
 def test_the_training_patch_warms_up_before_megatrons_train(monkeypatch):
     """The patch's `train` calls the warm-up with the model, then Megatron's `train` with every
     argument as given."""
-    import megatron_ext.warmup
+    import megatron_ext.training.warmup
     from megatron_ext.patches import _train
 
     calls = []
-    monkeypatch.setattr(megatron_ext.warmup, "warm_up_before_training", lambda model: calls.append(("warm", model)))
+    monkeypatch.setattr(
+        megatron_ext.training.warmup, "warm_up_before_training", lambda model: calls.append(("warm", model))
+    )
     train = _train(lambda *args, **kwargs: calls.append(("train", args, kwargs)) or "done")
     assert train("step", ["chunk"], "optimizer", pg_collection=None) == "done"
     assert calls == [("warm", ["chunk"]), ("train", ("step", ["chunk"], "optimizer"), {"pg_collection": None})]
 
 
 def test_tokens_per_rank_without_sequence_parallelism():
-    from megatron_ext.warmup import tokens_per_rank
+    from megatron_ext.training.warmup import tokens_per_rank
 
     config = types.SimpleNamespace(context_parallel_size=1, sequence_parallel=False, tensor_model_parallel_size=4)
     assert tokens_per_rank(config, 1024, 3) == 3072

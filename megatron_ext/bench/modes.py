@@ -26,7 +26,7 @@ class Mode:
     experts: 'grouped' (megatron-ext's GroupedMLP, the same in every torch mode, so those rows
     differ in dispatch alone), 'te' (Megatron's TEGroupedMLP, unfused: it reads the counts on the
     host), or 'te-op-fuser' (TEGroupedMLP through TE's op fuser, which takes the counts on the device).
-    overflow_rerun: each step runs through `megatron_ext.recovery.OverflowRerun`, as Megatron's
+    overflow_rerun: each step runs through `megatron_ext.training.recovery.OverflowRerun`, as Megatron's
     training loop does with `--moe-hybridep-overflow-policy rerun`: the step's end check (one
     all-reduce, one host read) and the headroom metrics are in the step.
     reference: the mode whose results this one's are checked against (`blocking`, or the fp8

@@ -199,7 +199,7 @@ class _Runner:
         timer = DispatchTimer(stack.layers)
         inputs = iter(self.inputs)
         if mode.overflow_rerun:
-            from megatron_ext.recovery import OverflowRerun
+            from megatron_ext.training.recovery import OverflowRerun
 
             self.recovery = OverflowRerun(self._megatron_step)
         try:
@@ -505,8 +505,8 @@ def _describe(exc: BaseException) -> str:
 
 
 def _release() -> None:
-    from megatron_ext.hybridep.allgather import release_shared_routing_map_buffers
     from megatron_ext.hybridep.buffers import release_buffers
+    from megatron_ext.hybridep.torch_buffer.allgather import release_shared_routing_map_buffers
 
     release_buffers()
     release_shared_routing_map_buffers()

@@ -47,7 +47,7 @@ def allow_gated_op_fuser_experts() -> None:
 
 
 def megatron_config(sizes: Sizes, world_size: int, device: torch.device, mode: Mode):
-    from megatron_ext.config import HybridEPTransformerConfig
+    from megatron_ext.options.config import HybridEPTransformerConfig
 
     if mode.overrides.get("use_transformer_engine_op_fuser"):
         allow_gated_op_fuser_experts()

@@ -13,7 +13,7 @@ The kernels:
 * `gather_rows`: `out[r] = src[index[r]]` for r < n, a zero row for an index past `src` (the
   permute of a dispatch); `gather_rows_and_values`: with one value per row (the dispatched
   probs) in the same launch.
-* `block_counts` and `dispatch_layout`: a dispatch's whole layout (see `hybridep/layout.py`) and
+* `block_counts` and `dispatch_layout`: a dispatch's whole layout (see `hybridep/torch_buffer/layout.py`) and
   the row tables the gathers read, in two launches, with no host read.
 * `sum_rows_per_slot`: for every slot (a received token), the float32 sum of its rows, in the
   order of the row table (expert order); a gather per slot, deterministic, with no atomics and no
@@ -30,7 +30,7 @@ sizes, argument checks), the activation (`activation.py`), the row gathers and s
 
 from __future__ import annotations
 
-from megatron_ext.fused.activation import (  # noqa: F401 (re-exported: experts.py and the tests call fused.X)
+from megatron_ext.fused.activation import (  # noqa: F401 (re-exported: the experts and the tests call fused.X)
     GELU,
     SILU,
     activation_code,

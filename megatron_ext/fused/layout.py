@@ -1,5 +1,5 @@
 """The fused dispatch layout: `block_counts` and `dispatch_layout`, a dispatch's whole layout (see
-`hybridep/layout.py`) and the row tables the gathers and sums read (`Layout`), in two launches,
+`hybridep/torch_buffer/layout.py`) and the row tables the gathers and sums read (`Layout`), in two launches,
 with no host read.
 """
 
@@ -118,7 +118,7 @@ if triton is not None:
 
 
 class Layout(NamedTuple):
-    """One rank's dispatch layout, made on the device by `dispatch_layout` (see hybridep/layout.py).
+    """One rank's dispatch layout, made on the device by `dispatch_layout` (see hybridep/torch_buffer/layout.py).
 
     row_slot: `[capacity]` int64, the receive slot of each row (`num_slots` for padding and spare rows).
     row_code: `[capacity]` int64, `slot * L + e` of each row (`num_slots * L` for padding and spare rows).
@@ -175,7 +175,7 @@ def dispatch_layout(
     *,
     spare_slots: bool = False,
 ) -> Layout:
-    """The permuted layout of `hybridep.layout.expert_layout`, with the row tables a fused
+    """The permuted layout of `hybridep.torch_buffer.layout.expert_layout`, with the row tables a fused
     dispatch and combine read, in one launch after `block_counts` (two in all).
 
     Args:

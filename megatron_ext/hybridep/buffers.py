@@ -41,7 +41,7 @@ def get_buffer(
 ) -> HybridEPBuffer:
     """The shared buffer for these arguments (`implementation`: one of `BUFFER_IMPLEMENTATIONS`,
     'deep_ep' or 'torch', as `options.resolve_implementation` gives; `transport`: the torch
-    buffer's, see `megatron_ext.hybridep.exchange`; `deep_ep_tuning`: deep_ep's SM and block
+    buffer's, see `megatron_ext.hybridep.torch_buffer.exchange`; `deep_ep_tuning`: deep_ep's SM and block
     counts, which the torch buffer's kernels have no equivalent of; `compact_routing_topk`: the torch
     buffer's routing maps gathered as that many expert indices per token, `--moe-hybridep-compact-routing`).
 

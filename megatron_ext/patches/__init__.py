@@ -21,19 +21,19 @@ Patched attributes, by feature:
 * experts: `megatron.core.transformer.moe.moe_layer.MoELayer.__init__` -> a wrapper that gives
   capacity-mode layers experts which read token counts on the device.
 * arguments: `TransformerConfig` in `megatron.training.arguments` and `.argument_utils` ->
-  `megatron_ext.config.HybridEPTransformerConfig`; `megatron.core.transformer.MLATransformerConfig`
+  `megatron_ext.options.config.HybridEPTransformerConfig`; `megatron.core.transformer.MLATransformerConfig`
   -> `HybridEPMLATransformerConfig`; `megatron.training.arguments.add_megatron_arguments` -> the
   same, plus validation of megatron-ext's flags when the parser parses.
 * training: `megatron.training.training.get_forward_backward_func` -> the same, its result wrapped
-  in `megatron_ext.recovery.OverflowRerun` (a capacity-mode overflow re-runs the step; a
+  in `megatron_ext.training.recovery.OverflowRerun` (a capacity-mode overflow re-runs the step; a
   pass-through without capacity mode); `megatron.training.training.FullCudaGraphWrapper` -> a
   subclass that, built around that wrapper, graphs the step function inside it and keeps the
-  overflow policy outside the graph (`megatron_ext.recovery.full_iteration_graph`);
+  overflow policy outside the graph (`megatron_ext.training.recovery.full_iteration_graph`);
   `megatron.core.transformer.moe.moe_logging.MoEMetricsTracker.report` -> the same, also
   reporting megatron-ext's capacity use in capacity mode;
   `megatron.core.pipeline_parallel.schedules.create_cudagraphs` -> the same, skipped while an
-  overflowed step re-runs eagerly under per-layer graphs (`megatron_ext.recovery.capture_paused`);
-  `megatron.training.training.train` -> the same, after `megatron_ext.warmup.warm_up_before_training`
+  overflowed step re-runs eagerly under per-layer graphs (`megatron_ext.training.recovery.capture_paused`);
+  `megatron.training.training.train` -> the same, after `megatron_ext.training.warmup.warm_up_before_training`
   (with `--moe-hybridep-warm-up`: every MoE layer's buffer built and kernels compiled first).
 """
 
@@ -48,7 +48,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatron_ext.logs import once_per_job
-from megatron_ext.option_fields import near_miss
+from megatron_ext.options.fields import near_miss
 from megatron_ext.patches._compat import (
     SUPPORTED_MEGATRON_CORE,
     ChangedSignatureError,
@@ -80,19 +80,19 @@ def _moe_layer_init(original: Callable) -> Callable:
 
 
 def _transformer_config(original: Any) -> Any:
-    from megatron_ext.config import HybridEPTransformerConfig
+    from megatron_ext.options.config import HybridEPTransformerConfig
 
     return HybridEPTransformerConfig
 
 
 def _mla_transformer_config(original: Any) -> Any:
-    from megatron_ext.config import HybridEPMLATransformerConfig
+    from megatron_ext.options.config import HybridEPMLATransformerConfig
 
     return HybridEPMLATransformerConfig
 
 
 def _add_megatron_arguments(original: Callable) -> Callable:
-    from megatron_ext.arguments import install_validation
+    from megatron_ext.options.arguments import install_validation
 
     @functools.wraps(original)
     def add_megatron_arguments(parser):
@@ -104,7 +104,7 @@ def _add_megatron_arguments(original: Callable) -> Callable:
 def _get_forward_backward_func(original: Callable) -> Callable:
     @functools.wraps(original)
     def get_forward_backward_func(*args, **kwargs):
-        from megatron_ext.recovery import OverflowRerun
+        from megatron_ext.training.recovery import OverflowRerun
 
         return OverflowRerun(original(*args, **kwargs))
 
@@ -114,7 +114,7 @@ def _get_forward_backward_func(original: Callable) -> Callable:
 def _train(original: Callable) -> Callable:
     @functools.wraps(original)
     def train(forward_step_func, model, *args, **kwargs):
-        from megatron_ext.warmup import warm_up_before_training
+        from megatron_ext.training.warmup import warm_up_before_training
 
         warm_up_before_training(model)  # every stage at once, before the schedule's first send
         return original(forward_step_func, model, *args, **kwargs)
@@ -123,7 +123,7 @@ def _train(original: Callable) -> Callable:
 
 
 def _full_cuda_graph_wrapper(original: type) -> type:
-    from megatron_ext.recovery import full_iteration_graph
+    from megatron_ext.training.recovery import full_iteration_graph
 
     return full_iteration_graph(original)
 
@@ -135,7 +135,7 @@ def _moe_metrics_report(original: Callable) -> Callable:
 
     @functools.wraps(original)
     def report(*args, **kwargs):
-        from megatron_ext.recovery import capacity_metrics_on
+        from megatron_ext.training.recovery import capacity_metrics_on
 
         bound = signature.bind(*args, **kwargs)
         track_names = bound.arguments.get("track_names")
@@ -154,7 +154,7 @@ def _moe_metrics_report(original: Callable) -> Callable:
 def _create_cudagraphs(original: Callable) -> Callable:
     @functools.wraps(original)
     def create_cudagraphs(*args, **kwargs):
-        from megatron_ext.recovery import capture_paused
+        from megatron_ext.training.recovery import capture_paused
 
         if capture_paused():  # a blocking re-run: nothing of it may be captured
             return None

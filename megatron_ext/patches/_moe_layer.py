@@ -7,7 +7,7 @@ split the rows by them, which both syncs and fails on the extra rows, so in capa
 spec is swapped for megatron-ext's `GroupedMLP` before the layer builds them (its parameters are
 named as TEGroupedMLP's). TEGroupedMLP is kept with `--use-transformer-engine-op-fuser`, whose
 path hands TE the counts on the device. With `--moe-hybridep-static-expert-splits` the experts are
-kept as they are: they get host-constant counts (`megatron_ext.budget`).
+kept as they are: they get host-constant counts (`megatron_ext.capacity.budget`).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ def _parsed_already() -> bool:
 
 
 if _parsed_already():
-    from megatron_ext.arguments import stop
+    from megatron_ext.options.arguments import stop
 
     stop(
         "megatron_ext.patches.auto",

@@ -28,7 +28,7 @@ Where CUDA is in use, Python-method reads of CPU tensors are not counted: they w
 (split sizes TE's grouped linear rebuilds from a Python list, static expert splits' budgets). The
 device-to-host copy that may have filled one is what waits, and CUDA's sync-debug mode reports it.
 On a CPU-only run every read counts, as it would stall a GPU were the tensor on one, except a
-tensor marked with `megatron_ext.host_constant.host_constant()` (made on the host, never written by a
+tensor marked with `megatron_ext.capacity.host_constant.host_constant()` (made on the host, never written by a
 kernel).
 
 The ground truth on a GPU is `runahead_probe`: queue a long GPU sleep, then time how long the
@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from megatron_ext.host_constant import is_host_constant
+from megatron_ext.capacity.host_constant import is_host_constant
 
 aten = torch.ops.aten
 

@@ -115,7 +115,7 @@ def extra_args_provider(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     """Add megatron-ext's flags (unless the patch already did) and their validation to `parser`."""
     from megatron.training.argument_utils import ArgumentGroupFactory
 
-    from megatron_ext.config import FIELD_NAMES, HybridEPTransformerConfig
+    from megatron_ext.options.config import FIELD_NAMES, HybridEPTransformerConfig
 
     if flag(FIELD_NAMES[0]) not in parser._option_string_actions:
         theirs = [f.name for f in fields(HybridEPTransformerConfig) if f.name not in FIELD_NAMES]

@@ -34,7 +34,7 @@ import torch
 
 from megatron_ext.logs import once_per_job
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("megatron_ext.hybridep.kernel_cache")  # the name its lines had: users may filter by it
 
 KERNEL_SUFFIX = ".so"
 # deep_ep's HybridEP extension, whose bytes key the cache (a rebuild gets a folder of its own).

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from megatron_ext import fused
-from megatron_ext.hybridep.torch_handle import HybridEPHandle, _probs_width
+from megatron_ext.hybridep.torch_buffer.handle import HybridEPHandle, _probs_width
 
 
 def _probs_per_slot(probs: torch.Tensor, handle: HybridEPHandle, num_local: int) -> torch.Tensor:

@@ -1,8 +1,9 @@
 """deep_ep's HybridEPBuffer behind the same calls as ours. deep_ep is imported here, lazily, only.
 
 deep_ep's buffer already has the API megatron-ext drives (`dispatch_with_permute`,
-`combine_with_unpermute`, the overflow flag: see `handle.py`), so this module only decides how
-to construct it. Routing-map reuse maps to deep_ep's persistent all-gather buffer
+`combine_with_unpermute`, the overflow flag: see `hybridep/handle.py`), so this module only decides
+how to construct it; deep_ep's compiled kernels are kept across jobs by `kernel_cache.py`, beside
+it. Routing-map reuse maps to deep_ep's persistent all-gather buffer
 (`enable_custom_allgather=True`), which deep_ep supports when every rank of the group is on one
 node and each rank's map is a multiple of 16 bytes; elsewhere the plain all-gather is kept.
 `buffers.get_buffer` checks the map's size again at every dispatch, since a buffer serves smaller
@@ -18,7 +19,7 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
-from megatron_ext.hybridep.kernel_cache import activate
+from megatron_ext.hybridep.deep_ep_buffer.kernel_cache import activate
 from megatron_ext.hybridep.protocol import HybridEPBuffer
 from megatron_ext.logs import once_per_group
 from megatron_ext.options import KERNEL_CACHE_FLAG, HybridEPConfigError, accepts_keyword, flag

@@ -10,7 +10,7 @@ from typing import Optional
 
 import torch
 
-from megatron_ext.hybridep.torch_handle import HybridEPHandle
+from megatron_ext.hybridep.torch_buffer.handle import HybridEPHandle
 
 SUPPORTED_HIDDEN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # An fp8 dispatch's rows (`use_fp8=True`): quantized data, one byte per element (deep_ep takes uint8).

@@ -1,8 +1,14 @@
-"""megatron-ext's MoE dispatch options, read from a Megatron config or an argparse namespace.
+"""The flags, their fields and their checks.
 
-This module does not import Megatron-Core: the same checks run on `parse_args`' namespace (so a
-bad flag combination stops the launch before anything is built), on a `TransformerConfig` at
-construction, and in the dispatcher. Every message names the flag and the fix.
+Here: megatron-ext's MoE dispatch options, read from a Megatron config or an argparse namespace,
+and their validation. Beside them: the options' fields, flags and error type (`fields.py`), whether
+deep_ep is usable and what `auto` picks (`implementation.py`), the CUDA-graph checks of a flag set
+(`graph_checks.py`), the TransformerConfig fields (`config.py`) and the hook into Megatron's
+argparse (`arguments.py`). Every name of the first three is imported here too.
+
+This module does not import Megatron-Core (`config.py` does): the same checks run on `parse_args`'
+namespace (so a bad flag combination stops the launch before anything is built), on a
+`TransformerConfig` at construction, and in the dispatcher. Every message names the flag and the fix.
 """
 
 from __future__ import annotations
@@ -16,30 +22,7 @@ from typing import Any, Optional
 
 # The moved pieces, imported back: the names the checks below use, and re-exports (marked noqa F401)
 # of those other modules and tests import from here (`from megatron_ext.options import ...`).
-from megatron_ext.graph_checks import (  # noqa: F401 (re-exported: config.py, recovery.py)
-    PER_LAYER_GRAPHS,
-    _check_graphs,
-    _local_graph_inputs_released,
-    drop_and_pad,
-    graph_impl,
-    graph_modules,
-    graphs_dropless_moe,
-    graphs_hold_dispatch,
-)
-from megatron_ext.implementation import (  # noqa: F401 (re-exported: dispatcher.py, buffers, bench, tests)
-    _AUTO_FALLBACKS_LOGGED,
-    DEEP_EP_DISPATCH_ARGUMENTS,
-    DEEP_EP_FP8_HIDDEN_MULTIPLE,
-    DEEP_EP_HIDDEN_MULTIPLE,
-    DEEP_EP_MIN_HIDDEN,
-    DEEP_EP_TESTED_COMMIT,
-    accepts_keyword,
-    deep_ep_import_error,
-    deep_ep_shape_error,
-    requested_implementation,
-    resolve_implementation,
-)
-from megatron_ext.option_fields import (  # noqa: F401 (re-exported: config.py, the buffers, the tools)
+from megatron_ext.options.fields import (  # noqa: F401 (re-exported: config.py, the buffers, the tools)
     AUTO,
     BUFFER_IMPLEMENTATIONS,
     CAPACITY_FACTOR_FLAG,
@@ -57,6 +40,29 @@ from megatron_ext.option_fields import (  # noqa: F401 (re-exported: config.py, 
     Transport,
     flag,
     near_miss,
+)
+from megatron_ext.options.graph_checks import (  # noqa: F401 (re-exported: config.py, recovery.py)
+    PER_LAYER_GRAPHS,
+    _check_graphs,
+    _local_graph_inputs_released,
+    drop_and_pad,
+    graph_impl,
+    graph_modules,
+    graphs_dropless_moe,
+    graphs_hold_dispatch,
+)
+from megatron_ext.options.implementation import (  # noqa: F401 (re-exported: dispatcher.py, buffers, bench, tests)
+    _AUTO_FALLBACKS_LOGGED,
+    DEEP_EP_DISPATCH_ARGUMENTS,
+    DEEP_EP_FP8_HIDDEN_MULTIPLE,
+    DEEP_EP_HIDDEN_MULTIPLE,
+    DEEP_EP_MIN_HIDDEN,
+    DEEP_EP_TESTED_COMMIT,
+    accepts_keyword,
+    deep_ep_import_error,
+    deep_ep_shape_error,
+    requested_implementation,
+    resolve_implementation,
 )
 
 # The largest capacity factor accepted. A rank of an EP group of W ranks receives at most W times

@@ -9,7 +9,7 @@ dispatch and combine calls) that decides:
   expert splits; their growth (after an overflow's re-run, or when half the headroom is used);
 * which dispatch runs blocking (`_dispatch_capacity`);
 * the overflow check of every non-blocking dispatch, on the device, and the device counters it
-  writes in place (`DeviceCounters`), which `megatron_ext.recovery` reads once a step;
+  writes in place (`DeviceCounters`), which `megatron_ext.training.recovery` reads once a step;
 * the capacity-use metrics it records in Megatron's MoE logging.
 
 It reads the manager's `group`, `options`, `config`, `pad_multiple`, `stats`, `name` and
@@ -28,9 +28,9 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from megatron_ext import budget as budgets
+from megatron_ext.capacity import budget as budgets
 from megatron_ext.capacity import budget_from_rows, capacity_from_rows, capacity_reciprocal, half_headroom
-from megatron_ext.host_constant import host_constant
+from megatron_ext.capacity.host_constant import host_constant
 from megatron_ext.hybridep import overflow_flag
 from megatron_ext.hybridep.protocol import Handle
 from megatron_ext.logs import once_per_group
@@ -57,7 +57,7 @@ class DeviceCounters:
     updates the very tensors the overflow policy, the metrics and the bench read. Never read here."""
 
     # The most rows a non-blocking dispatch filled since the counters were made or last reset
-    # (in place, by megatron_ext.recovery's `StepCheck` at the start of a step); 0: none filled.
+    # (in place, by megatron_ext.training.recovery's `StepCheck` at the start of a step); 0: none filled.
     rows_used: torch.Tensor
     # Non-blocking dispatches that overflowed since the layer was built (only grows).
     overflows: torch.Tensor
@@ -179,7 +179,7 @@ class CapacityPolicy:
         """Size each local expert's budget to the EP-group max of `largest_rows` (the largest expert's
         rows) x the factor, aligned, if that is more than it has; return the new budget or None. One
         all-reduce and one host read: between steps, or in a blocking dispatch, only. A CUDA graph
-        captured with the old budget must be dropped after (megatron_ext.recovery does)."""
+        captured with the old budget must be dropped after (megatron_ext.training.recovery does)."""
         budget = self._grow(EXPERT_BUDGET, largest_rows, why)
         if budget is not None:
             self._budget_counts = host_constant(torch.full((self.num_local_experts,), budget, dtype=torch.int64))
@@ -265,7 +265,7 @@ class CapacityPolicy:
     def grow_capacity(self, local_rows: int | torch.Tensor, why: str) -> Optional[int]:
         """Size the capacity to the EP-group maximum of `local_rows` x the factor if that is more
         than it has; return the new capacity, or None when it stays. One all-reduce and one host
-        read: call it between steps only (`megatron_ext.recovery` does). A CUDA graph captured with
+        read: call it between steps only (`megatron_ext.training.recovery` does). A CUDA graph captured with
         the old capacity must be dropped after a growth (it would dispatch at the old one)."""
         capacity = self._grow(CAPACITY, local_rows, why)
         if capacity is not None:

@@ -57,7 +57,7 @@ from megatron_ext.capacity import capacity_reciprocal
 from megatron_ext.dispatcher import HybridEPCapacityManager, dispatch_managers, group_device, numbered_layers
 from megatron_ext.logs import once_per_job
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("megatron_ext.recovery")  # the name its lines had: users may filter by it
 
 
 def capacity_managers(model: Any) -> list[HybridEPCapacityManager]:

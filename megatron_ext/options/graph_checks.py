@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from megatron_ext.option_fields import (
+from megatron_ext.options.fields import (
     CAPACITY_FACTOR_FLAG,
     CONFIG_PREFIX,
     HybridEPConfigError,

@@ -1,8 +1,8 @@
 """megatron-ext's options themselves: the fields of `HybridEPOptions`, their allowed values, their
 flags (`flag`), and the error every check of them raises (`HybridEPConfigError`).
 
-The base the checks build on (`megatron_ext.options`, `megatron_ext.implementation`,
-`megatron_ext.graph_checks`); like them it does not import Megatron-Core.
+The base the checks build on (`megatron_ext.options`, `megatron_ext.options.implementation`,
+`megatron_ext.options.graph_checks`); like them it does not import Megatron-Core.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ AUTO: Final = "auto"
 BUFFER_IMPLEMENTATIONS: tuple[str, ...] = tuple(name for name in IMPLEMENTATIONS if name != AUTO)
 OverflowPolicy = Literal["rerun", "fail"]
 OVERFLOW_POLICIES: tuple[str, ...] = get_args(OverflowPolicy)
-# How the torch implementation's non-blocking dispatches move tokens (`megatron_ext.hybridep.exchange`).
+# How the torch implementation's non-blocking dispatches move tokens (`megatron_ext.hybridep.torch_buffer.exchange`).
 Transport = Literal["auto", "process_group", "nvshmem"]
 TRANSPORTS: tuple[str, ...] = get_args(Transport)
 

@@ -1,4 +1,9 @@
-"""MoE experts for capacity-mode dispatch: two grouped GEMMs, no host synchronisation.
+"""The expert computation and its checkpoints.
+
+Here: `GroupedMLP`. Beside it: its checkpoint layouts (`checkpoint.py`) and its activation
+recomputed in the backward (`activation_recompute.py`).
+
+MoE experts for capacity-mode dispatch: two grouped GEMMs, no host synchronisation.
 
 `GroupedMLP` takes the place of Megatron's `TEGroupedMLP` (`MoESubmodules(experts=GroupedMLP)`)
 when the dispatcher hands over a fixed number of rows P (a capacity) of which only the first
@@ -17,12 +22,12 @@ offsets to the host, so such a layer is refused when it is built.
 
 With `--recompute-granularity selective --recompute-modules moe_act` (as TEGroupedMLP honours it)
 the torch path frees the activation's output once fc2 has read it and recomputes it in the
-backward (`megatron_ext.activation_recompute`), so only the fc1 output and the probs stay saved
+backward (`megatron_ext.experts.activation_recompute`), so only the fc1 output and the probs stay saved
 for it (the fused path always does so).
 
 Parameters live as one stacked tensor per linear ([L, out, in]), so the GEMMs read them without a
 per-step copy; their checkpoints read like `TEGroupedMLP`'s and `SequentialMLP`'s
-(`megatron_ext.experts_checkpoint`, which reads `GroupedMLP` and `_ExpertLinear` as its
+(`megatron_ext.experts.checkpoint`, which reads `GroupedMLP` and `_ExpertLinear` as its
 `StackedExperts` and `StackedLinear` protocols, so it imports nothing from here).
 """
 
@@ -39,8 +44,9 @@ from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import get_pg_size
 
-from megatron_ext import experts_checkpoint, fused
-from megatron_ext.activation_recompute import ActivationRecompute
+from megatron_ext import fused
+from megatron_ext.experts import checkpoint as experts_checkpoint
+from megatron_ext.experts.activation_recompute import ActivationRecompute
 from megatron_ext.options import CAPACITY_FACTOR_FLAG, GROUPED_MLP_WAYS_AROUND
 
 

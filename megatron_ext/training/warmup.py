@@ -11,7 +11,7 @@ In Megatron's training loop `--moe-hybridep-warm-up` runs it before `train` (the
 feature); other loops call `warm_up(model, num_tokens)` themselves, on every rank, before their
 first step. With `--moe-hybridep-kernel-cache DIR` the kernels deep_ep compiled here are stored in
 DIR right after the warm-up, and the next job's processes load them instead of compiling them
-(`megatron_ext.hybridep.kernel_cache`).
+(`megatron_ext.hybridep.deep_ep_buffer.kernel_cache`).
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ from typing import Any
 import torch
 
 from megatron_ext.dispatcher import HybridEPCapacityManager, dispatch_managers, group_device
-from megatron_ext.hybridep import kernel_cache
+from megatron_ext.hybridep.deep_ep_buffer import kernel_cache
 from megatron_ext.logs import once_per_job
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("megatron_ext.warmup")  # the name its lines had: users may filter by it
 
 
 def tokens_per_rank(config: Any, seq_length: int, micro_batch_size: int) -> int:

@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from megatron_ext.logs import once_per_group
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("megatron_ext.hybridep.exchange")  # the name its lines had: users may filter by it
 
 
 class DeviceSplitsExchange(Protocol):

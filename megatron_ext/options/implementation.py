@@ -10,7 +10,7 @@ import inspect
 import logging
 from typing import Any, Optional
 
-from megatron_ext.option_fields import (
+from megatron_ext.options.fields import (
     AUTO,
     COMPACT_ROUTING_FLAG,
     CONFIG_PREFIX,

@@ -29,9 +29,11 @@ How tokens move (W ranks, T tokens per rank, rank r owns experts [r * L, (r + 1)
   left unwritten, as deep_ep leaves them; on CPU they are zero. One rank exchanges nothing.
 
 This module holds the buffer's constructor, its dispatch (plan, layout, row moves), its
-collectives and its combine's entry; the rest lives beside it: the handle (`torch_handle.py`), the
-argument checks (`torch_checks.py`) and the combine's row sums and moves (`torch_combine.py`), the
-last two inherited by `TorchHybridEPBuffer`.
+collectives and its combine's entry; the rest lives beside it in this package: the handle
+(`handle.py`), the argument checks (`checks.py`) and the combine's row sums and moves
+(`combine.py`), the last two inherited by `TorchHybridEPBuffer`; where each routed token lands
+(`layout.py`), the routing-map all-gather (`allgather.py`) and the exchanges that take their counts
+on the device (`exchange.py`).
 """
 
 from __future__ import annotations
@@ -44,26 +46,26 @@ import torch
 import torch.distributed as dist
 
 from megatron_ext import fused
-from megatron_ext.hybridep.allgather import RoutingMapGather
-from megatron_ext.hybridep.exchange import DeviceSplitsExchange, choose_exchange
-from megatron_ext.hybridep.layout import expert_layout, padded_counts, round_up
-from megatron_ext.hybridep.torch_checks import (  # noqa: F401 (re-exported: the row dtypes, defined here before)
+from megatron_ext.hybridep.torch_buffer.allgather import RoutingMapGather
+from megatron_ext.hybridep.torch_buffer.checks import (  # noqa: F401 (re-exported: the row dtypes, defined here before)
     FP8_HIDDEN_DTYPES,
     SUPPORTED_HIDDEN_DTYPES,
     TorchBufferChecks,
     _check,
 )
-from megatron_ext.hybridep.torch_combine import (  # noqa: F401 (re-exported: PADDING_SPREAD, defined here before)
+from megatron_ext.hybridep.torch_buffer.combine import (  # noqa: F401 (re-exported: PADDING_SPREAD, defined here before)
     PADDING_SPREAD,
     TorchBufferCombine,
 )
-from megatron_ext.hybridep.torch_handle import (  # noqa: F401 (re-exported: hybridep/__init__.py, handle.py)
+from megatron_ext.hybridep.torch_buffer.exchange import DeviceSplitsExchange, choose_exchange
+from megatron_ext.hybridep.torch_buffer.handle import (  # noqa: F401 (re-exported: hybridep/__init__.py, handle.py)
     HybridEPHandle,
     _handle,
     _probs_row_bytes,
     _probs_width,
     _SendPlan,
 )
+from megatron_ext.hybridep.torch_buffer.layout import expert_layout, padded_counts, round_up
 from megatron_ext.options import TRANSPORTS
 
 
@@ -104,7 +106,7 @@ class TorchHybridEPBuffer(TorchBufferCombine, TorchBufferChecks):
     `enable_custom_allgather=True` or `reuse_allgather_buffer=True` gathers routing maps into one
     buffer per process group instead of a fresh tensor each time.
     `compact_routing_topk=k` gathers them as `[T, k]` expert indices and expands them back (every
-    token routed to at most k experts, asserted on the device): `megatron_ext.hybridep.allgather`.
+    token routed to at most k experts, asserted on the device): `megatron_ext.hybridep.torch_buffer.allgather`.
 
     `dispatch_with_permute` and `combine_with_unpermute` are plain (non-differentiable) calls, as
     in deep_ep; `megatron_ext.hybridep.autograd` wraps them for autograd.

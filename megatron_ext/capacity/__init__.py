@@ -1,4 +1,10 @@
-"""Sizing rules for capacity-mode dispatch and for padding token counts. Pure functions.
+"""How large a capacity-mode dispatch is, and what an overflow does.
+
+Here: the sizing rules. Beside them: what a capacity-mode layer decides (`policy.py`: calibration,
+growth, the overflow check, metrics), static expert splits (`budget.py`: the fixed-budget layout
+and its maps), and CPU tensors whose reads wait for no device (`host_constant.py`).
+
+Sizing rules for capacity-mode dispatch and for padding token counts. Pure functions.
 
 Capacity mode sizes every non-blocking dispatch of a MoE layer to one host integer, its
 capacity, learned once from a blocking calibration dispatch:
