@@ -79,6 +79,68 @@ def test_gpu_idle_is_split_where_the_host_ends_forward_and_backward():
     assert no_marks["gpu_idle_step_end_ms"] == 0
 
 
+def _frame(name: str, ts: float, dur: float, pid: int, parent: int | None, tid: int = 1) -> dict:
+    event = _x("python_function", name, ts, dur, tid)
+    event["args"] = {"Python id": pid, "Python parent id": parent}
+    return event
+
+
+def test_host_time_charges_each_frame_to_its_package_or_its_callers():
+    events = [
+        _x("user_annotation", "ProfilerStep#5", 0, 1000),
+        # Main thread: Megatron's schedule -> megatron-ext's dispatch -> torch -> a built-in; TE's layer;
+        # then autograd's backward, which the main thread waits in.
+        _frame("site/megatron/core/pipeline_parallel/schedules.py(10): forward_step", 0, 900, 1, None),
+        _frame("/r/megatron_ext/dispatcher.py(352): dispatch", 10, 300, 2, 1),
+        _frame("site/torch/nn/functional.py(5): pad", 20, 100, 3, 2),
+        _frame("<built-in method pad of type object>", 30, 60, 4, 3),
+        _frame("/r/megatron_ext/capacity/policy.py(300): _assert_no_overflow", 150, 50, 5, 2),  # nested: no entry
+        _frame("site/transformer_engine/pytorch/module/linear.py(9): forward", 400, 200, 6, 1),
+        _frame("site/torch/autograd/__init__.py(1): backward", 650, 240, 7, 1),
+        _frame("<built-in method run_backward of torch._C._EngineBase object>", 660, 220, 8, 7),
+        # Autograd's thread: a custom Function's backward enters megatron-ext from torch.
+        _frame("site/torch/autograd/function.py(300): apply", 700, 100, 9, None, tid=2),
+        _frame("/r/megatron_ext/hybridep/autograd.py(80): backward", 710, 80, 10, 9, tid=2),
+        _frame("megatron_ext/dispatcher.py(352): dispatch", 2000, 50, 11, None),  # after the profiled steps
+    ]
+    host = loop_profile.summarize(events)["host"]
+    assert host["host_packages"] == {
+        # megatron-ext: dispatch 300 (torch's pad and its built-in under it) + the backward 80; TE 200;
+        # schedules: 900 - 300 - 200 - 240 = 160 of its own, + 20 of torch's backward frame it called.
+        "megatron-ext": pytest.approx(0.380),
+        "transformer-engine": pytest.approx(0.200),
+        "megatron-core": pytest.approx(0.180),
+        "torch and Python, called by none of these": pytest.approx(0.020),  # apply's own 100 - 80
+    }
+    # run_backward's 220 µs: the main thread waiting for autograd's thread, charged to no package.
+    assert host["waiting_for_backward_ms"] == pytest.approx(0.220)
+    calls = {c["function"]: (c["calls"], c["ms"]) for c in host["megatron_ext_calls"]}
+    assert calls == {
+        "megatron_ext/dispatcher.py(352): dispatch": (1, pytest.approx(0.300)),
+        "megatron_ext/hybridep/autograd.py(80): backward": (1, pytest.approx(0.080)),
+    }
+    assert "Host Python time per iteration" in loop_profile.markdown(loop_profile.summarize(events))
+    assert "host" not in loop_profile.summarize(_trace(2))  # no Python frames recorded: no host section
+
+
+def test_host_time_reads_torchs_own_trace_of_a_megatron_ext_call(tmp_path):
+    import torch
+
+    from megatron_ext.capacity import capacity_from_rows
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], with_stack=True) as prof:
+        for step in range(2):
+            with torch.profiler.record_function(f"ProfilerStep#{step}"):
+                for rows in range(3):
+                    capacity_from_rows(100 + rows, 1.5, None)
+    path = tmp_path / "trace.json"
+    prof.export_chrome_trace(str(path))
+    host = loop_profile.summarize(loop_profile.load(path))["host"]
+    entries = {c["function"].split(": ")[-1]: c["calls"] for c in host["megatron_ext_calls"]}
+    assert entries == {"capacity_from_rows": 3}  # per iteration
+    assert host["host_packages"]["megatron-ext"] > 0
+
+
 def test_a_trace_without_profiled_steps_is_refused():
     with pytest.raises(ValueError, match="ProfilerStep"):
         loop_profile.summarize([e for e in _trace(1) if e["cat"] != "user_annotation"])
@@ -161,6 +223,19 @@ def test_train_shapes_compares_runs_over_the_iterations_before_the_profile(tmp_p
     assert "| elementwise | 0.02 |" in text
     assert record["runs"]["capacity-eager"]["peak_mib"] == 3072
     assert record["runs"]["blocking"]["profile"]["iterations"] == 2
+    assert "host Python ms" not in text  # no call stacks recorded
+
+
+def test_train_shapes_lists_host_time_by_package_for_traces_with_call_stacks(tmp_path):
+    trace = _trace(1) + [
+        _frame("megatron/core/schedules.py(1): forward_step", 0, 800, 1, None),
+        _frame("megatron_ext/dispatcher.py(352): dispatch", 10, 300, 2, 1),
+    ]
+    _write_run(tmp_path, "h", "capacity-eager", _log([100.0] * 3, ["1.0E+00"] * 3, 1024), 1, trace)
+    text, record = train_shapes.report(tmp_path, "h", profile_start=3)
+    assert "| host Python ms (with call stacks): megatron-ext | 0.3 |" in text
+    assert "| host Python ms (with call stacks): megatron-core | 0.5 |" in text
+    assert record["runs"]["capacity-eager"]["profile"]["host"]["megatron_ext_calls"][0]["calls"] == 1
 
 
 def _grad_norm_log(grad_norms: list[float], losses: list[float]) -> str:

@@ -15,7 +15,13 @@ opened by a `ProfilerStep#` annotation. `summarize(trace)` reads one into per-it
   step end: the optimizer, the logging). Profiled iterations run the host slower than others: where
   the host sets the pace, these are larger than in an unprofiled iteration,
 * `kernels`: per kernel name, its category, calls and milliseconds per iteration, largest first;
-  `categories`: the same summed by category (`CATEGORIES`, from the kernel's name).
+  `categories`: the same summed by category (`CATEGORIES`, from the kernel's name),
+* `host` (only for a trace with Python call stacks: Megatron's `--pytorch-profiler-collect-callstack`):
+  the host's Python time per iteration by the package that spends it (`host_packages`: a frame's
+  own time goes to its package, or, for torch's and Python's frames, to the nearest caller's),
+  `waiting_for_backward_ms` (the main thread blocked while autograd's thread runs the backward),
+  and megatron-ext's entry points (`megatron_ext_calls`: calls and inclusive ms per iteration).
+  Recording every Python call slows the host several times over: read these as shares.
 
     python -m megatron_ext.tooling.loop_profile TRACE.json.gz   # a markdown summary
 """
@@ -58,6 +64,21 @@ STEP = re.compile(r"^ProfilerStep#(\d+)$")
 # Host events that belong to a step's forward and backward: autograd's backward functions, and the
 # launch of a CUDA graph (a full-iteration graph holds forward and backward; the optimizer is eager).
 FORWARD_BACKWARD = re.compile(r"^autograd::engine::evaluate_function|^cudaGraphLaunch")
+# The packages host time is charged to, by a Python frame's file (`path(line): function`), first match
+# wins; torch's, Python's and built-in frames are charged to their nearest caller among these.
+HOST_PACKAGES: tuple[tuple[str, re.Pattern], ...] = tuple(
+    (name, re.compile(pattern))
+    for name, pattern in (
+        ("megatron-ext", r"megatron_ext/"),
+        ("megatron-core", r"megatron/core/"),
+        ("megatron training loop", r"megatron/training/|pretrain_\w+\.py"),
+        ("transformer-engine", r"transformer_engine/"),
+        ("deep_ep", r"deep_ep/"),
+        ("triton", r"triton/"),
+    )
+)
+UNCHARGED = "torch and Python, called by none of these"
+RUN_BACKWARD = re.compile(r"run_backward")
 
 
 def category(kernel: str) -> str:
@@ -121,6 +142,75 @@ def _idle_split(steps: list[dict], gpu: list[dict], marks: list[dict]) -> tuple[
     return before / 1e3, after / 1e3
 
 
+def _package(frame: str) -> str | None:
+    for name, pattern in HOST_PACKAGES:
+        if pattern.search(frame):
+            return name
+    return None
+
+
+def host_time(events: list[dict[str, Any]], steps: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The host's Python time per iteration by package, and megatron-ext's entry points, over the
+    profiled `steps` (see the module's docstring); None for a trace without Python frames."""
+    first = min(float(s["ts"]) for s in steps)
+    last = max(float(s["ts"]) + float(s["dur"]) for s in steps)
+    frames = {
+        e["args"]["Python id"]: e
+        for e in events
+        if e.get("ph") == "X"
+        and e.get("cat") == "python_function"
+        and "Python id" in e.get("args", {})
+        and first <= float(e["ts"]) < last
+    }
+    if not frames:
+        return None
+    children_us: dict[int, float] = defaultdict(float)
+    for e in frames.values():
+        children_us[e["args"].get("Python parent id")] += float(e["dur"])
+    owners: dict[int, str] = {}
+
+    def owner(pid: Any) -> str:
+        """The package `pid`'s frame is charged to (iterative: stacks outgrow the recursion limit)."""
+        chain, charged = [], UNCHARGED
+        while pid in frames:
+            if pid in owners:
+                charged = owners[pid]
+                break
+            found = _package(str(frames[pid]["name"]))
+            if found is not None:
+                owners[pid] = charged = found
+                break
+            chain.append(pid)
+            pid = frames[pid]["args"].get("Python parent id")
+        owners.update((link, charged) for link in chain)
+        return charged
+
+    packages: dict[str, float] = defaultdict(float)
+    waiting = 0.0
+    calls: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for pid, e in frames.items():
+        name = str(e["name"])
+        own = float(e["dur"]) - children_us[pid]
+        if RUN_BACKWARD.search(name):
+            waiting += own
+            continue
+        packages[owner(pid)] += own
+        if _package(name) == "megatron-ext" and owner(e["args"].get("Python parent id")) != "megatron-ext":
+            entry = calls[name[name.find("megatron_ext/") :]]
+            entry[0] += 1
+            entry[1] += float(e["dur"])
+    iterations = len(steps)
+    per = 1e3 * iterations
+    return {
+        "host_packages": {k: v / per for k, v in sorted(packages.items(), key=lambda kv: -kv[1])},
+        "waiting_for_backward_ms": waiting / per,
+        "megatron_ext_calls": sorted(
+            ({"function": name, "calls": n / iterations, "ms": us / per} for name, (n, us) in calls.items()),
+            key=lambda c: -c["ms"],
+        ),
+    }
+
+
 def load(path: Path) -> list[dict[str, Any]]:
     opener = gzip.open if str(path).endswith(".gz") else open
     with opener(path, "rt") as f:
@@ -164,6 +254,7 @@ def summarize(events: list[dict[str, Any]]) -> dict[str, Any]:
         c["ms"] += k["ms"]
     marks = [e for e in events if e.get("ph") == "X" and FORWARD_BACKWARD.match(str(e.get("name", "")))]
     idle_before, idle_after = _idle_split(steps, gpu, marks)
+    host = host_time(events, steps)
     return {
         "iterations": iterations,
         "gpu_idle_forward_backward_ms": idle_before / iterations,
@@ -175,6 +266,7 @@ def summarize(events: list[dict[str, Any]]) -> dict[str, Any]:
         "launches": launches / iterations,
         "categories": dict(sorted(categories.items(), key=lambda kv: -kv[1]["ms"])),
         "kernels": kernels,
+        **({"host": host} if host is not None else {}),
     }
 
 
@@ -198,6 +290,21 @@ def markdown(summary: dict[str, Any], top: int = 15) -> str:
             for k in summary["kernels"][:top]
         ),
     ]
+    host = summary.get("host")
+    if host is not None:
+        lines += [
+            "",
+            f"Host Python time per iteration (profiled with call stacks, which slow the host; read as shares); "
+            f"the main thread waited {host['waiting_for_backward_ms']:.2f} ms for autograd's backward thread:",
+            "",
+            "| package | host ms/iteration |",
+            "| --- | --- |",
+            *(f"| {name} | {ms:.2f} |" for name, ms in host["host_packages"].items()),
+            "",
+            "| megatron-ext entry point | calls/iteration | host ms/iteration |",
+            "| --- | --- | --- |",
+            *(f"| `{c['function']}` | {c['calls']:.0f} | {c['ms']:.2f} |" for c in host["megatron_ext_calls"][:top]),
+        ]
     return "\n".join(lines)
 
 

@@ -217,6 +217,23 @@ def report(
             )
             + " |"
         )
+        hosts = {name: p.get("host") for name, p in profiled.items()}
+        if any(hosts.values()):  # traces with Python call stacks (HOST_STACKS=1)
+            packages = list(dict.fromkeys(k for h in hosts.values() if h for k in h["host_packages"]))
+            for package in packages + ["waiting for backward"]:
+                cells = [
+                    _num(
+                        h
+                        and (
+                            h["waiting_for_backward_ms"]
+                            if package == "waiting for backward"
+                            else h["host_packages"].get(package)
+                        ),
+                        ".1f",
+                    )
+                    for h in hosts.values()
+                ]
+                lines.append(f"| host Python ms (with call stacks): {package} | " + " | ".join(cells) + " |")
     lines += [f"\nskipped {name}: {why}" for name, why in skipped.items()]
     record = {
         "setup": run_setup,
