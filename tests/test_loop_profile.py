@@ -102,6 +102,9 @@ def test_host_time_charges_each_frame_to_its_package_or_its_callers():
         _frame("site/torch/autograd/function.py(300): apply", 700, 100, 9, None, tid=2),
         _frame("/r/megatron_ext/hybridep/autograd.py(80): backward", 710, 80, 10, 9, tid=2),
         _frame("megatron_ext/dispatcher.py(352): dispatch", 2000, 50, 11, None),  # after the profiled steps
+        # A background thread that waits through the step: none of the step's work, left out.
+        _frame("python3.12/threading.py(300): wait", 0, 1000, 12, None, tid=3),
+        _frame("<built-in method acquire of _thread.lock object>", 0, 1000, 13, 12, tid=3),
     ]
     host = loop_profile.summarize(events)["host"]
     assert host["host_packages"] == {

@@ -719,3 +719,71 @@ def test_megatrons_budget_methods_find_no_budget_on_a_megatron_ext_layer(gloo_gr
         if hasattr(dispatcher, name):
             getattr(dispatcher, name)(*args)
     assert vars(manager) == before and manager.capacity == 64
+
+
+class _CountOps(torch.utils._python_dispatch.TorchDispatchMode):
+    """The aten ops that would each launch a kernel on a GPU (views and detaches launch none)."""
+
+    FREE = {"select", "view", "reshape", "_unsafe_view", "alias", "detach", "squeeze", "unsqueeze", "expand"}
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__ not in self.FREE:
+            self.ops.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_non_blocking_dispatchs_bookkeeping_launches_few_kernels_and_formats_its_message_once(
+    gloo_group, monkeypatch
+):
+    """After each non-blocking dispatch: the overflow count is one add (and, with the fail policy, an
+    assert), the capacity-use metric one multiply and Megatron's add; the assert's message is made
+    once per capacity, not per dispatch."""
+    from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+
+    from megatron_ext.capacity import capacity_reciprocal, policy
+    from megatron_ext.capacity.policy import CAPACITY_USE_METRIC, DeviceCounters
+    from megatron_ext.dispatcher import HybridEPCapacityManager
+    from megatron_ext.options import validate
+    from tests.megatron_env import FLEX, make_config
+
+    config = make_config(1, **FLEX, moe_hybridep_capacity_factor=1.5)
+    manager = HybridEPCapacityManager(gloo_group, 8, 8, config, validate(config), "torch")
+    manager.capacity = 64
+    layer = type("Layer", (), {"layer_number": 1})()  # held: the manager keeps a weak reference
+    manager.bind_layer(layer)
+    counters = DeviceCounters.zeros(torch.device("cpu"))
+    made = []
+    monkeypatch.setattr(policy, "device_message", lambda text: made.append(text) or text)
+    handle = (None,) * 10 + (torch.tensor([2], dtype=torch.int32),)  # deep_ep's 11 entries, the flag last
+
+    manager.record_overflow = True  # the rerun policy: counted, checked at the step's end
+    with _CountOps() as counted:
+        manager._assert_no_overflow(handle, counters)
+    assert counted.ops == ["add_"] and int(counters.overflows) == 2 and counters.overflows.dtype == torch.int64
+    manager.record_overflow = False  # the fail policy: an assert on the device too
+    handle[10].zero_()
+    with _CountOps() as counted:
+        manager._assert_no_overflow(handle, counters)
+        manager._assert_no_overflow(handle, counters)
+    assert counted.ops == ["add_", "eq", "_assert_async"] * 2
+    assert len(made) == 1 and "capacity of 64 rows" in made[0] and "--moe-hybridep-capacity-factor" in made[0]
+    manager.capacity = 96
+    manager._assert_no_overflow(handle, counters)
+    assert len(made) == 2 and "capacity of 96 rows" in made[1]  # a new capacity: a new message
+    with pytest.raises(RuntimeError):
+        manager._assert_no_overflow((None,) * 10 + (torch.tensor([1], dtype=torch.int32),), counters)
+
+    tracker = get_moe_metrics_tracker()
+    tracker._metrics.pop(CAPACITY_USE_METRIC, None)
+    manager.log_metrics = True
+    rows = torch.tensor(77)  # tokens_per_expert.sum(): int64
+    manager._record_capacity_use(rows)  # the first record makes Megatron's entry
+    with _CountOps() as counted:
+        manager._record_capacity_use(rows)
+    assert counted.ops == ["mul", "add_", "copy_"]  # ours: the multiply; Megatron's `values[i] += use`: the rest
+    recorded = tracker._metrics.pop(CAPACITY_USE_METRIC).values
+    assert torch.equal(recorded[0], 2 * (rows.float() * capacity_reciprocal(96)))  # bit for bit the two-step value

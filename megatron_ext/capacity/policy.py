@@ -238,7 +238,7 @@ class CapacityPolicy:
 
         get_moe_metrics_tracker().record(
             CAPACITY_USE_METRIC,
-            rows.float() * capacity_reciprocal(self.capacity),
+            rows * capacity_reciprocal(self.capacity),  # float32, like rows.float() x it, in one launch
             self.layer_number,
             numbered_layers(self.config),
         )
@@ -317,17 +317,22 @@ class CapacityPolicy:
         overflow = overflow_flag(handle)
         if budget_map is not None:  # an expert over its budget is an overflow too
             overflow = torch.maximum(overflow.to(torch.int32), budget_map.overflow)
-        counters.overflows.add_(overflow.reshape(()).to(torch.int64))
+        counters.overflows.add_(overflow.reshape(()))  # int64 += the flag's int32 or bool: one launch, no cast
         if self.record_overflow:
             return
-        factor = self.options.capacity_factor
-        budget = "" if budget_map is None else f" or an expert its budget of {self.expert_budget}"
-        # The fixes first after the facts: the device's limit cuts what comes after 254 characters.
-        torch._assert_async(
-            overflow.eq(0),  # the one-element flag as it is (indexing it would cost the host a view)
-            device_message(
+        # The one-element flag as it is (indexing it would cost the host a view).
+        torch._assert_async(overflow.eq(0), self._overflow_message(budget_map is not None))
+
+    def _overflow_message(self, with_budget: bool) -> str:
+        """The device assert's message of an overflow, made once per layer, capacity and budget."""
+        key = (self.name, self.capacity, self.expert_budget if with_budget else None)
+        if self._overflow_message_for != key:
+            budget = f" or an expert its budget of {self.expert_budget}" if with_budget else ""
+            # The fixes first after the facts: the device's limit cuts what comes after 254 characters.
+            self._overflow_message_text = device_message(
                 f"megatron-ext: {self.name}: dispatch overflowed its capacity of {self.capacity} rows{budget}; "
                 f"stopped, not trained on truncated tokens. Raise {flag('moe_hybridep_capacity_factor')} "
-                f"({factor}) or use {flag('moe_hybridep_overflow_policy')} rerun."
-            ),
-        )
+                f"({self.options.capacity_factor}) or use {flag('moe_hybridep_overflow_policy')} rerun."
+            )
+            self._overflow_message_for = key
+        return self._overflow_message_text

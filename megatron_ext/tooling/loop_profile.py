@@ -18,7 +18,8 @@ opened by a `ProfilerStep#` annotation. `summarize(trace)` reads one into per-it
   `categories`: the same summed by category (`CATEGORIES`, from the kernel's name),
 * `host` (only for a trace with Python call stacks: Megatron's `--pytorch-profiler-collect-callstack`):
   the host's Python time per iteration by the package that spends it (`host_packages`: a frame's
-  own time goes to its package, or, for torch's and Python's frames, to the nearest caller's),
+  own time goes to its package, or, for torch's and Python's frames, to the nearest caller's; threads
+  that run none of these packages are left out),
   `waiting_for_backward_ms` (the main thread blocked while autograd's thread runs the backward),
   and megatron-ext's entry points (`megatron_ext_calls`: calls and inclusive ms per iteration).
   Recording every Python call slows the host several times over: read these as shares.
@@ -185,10 +186,15 @@ def host_time(events: list[dict[str, Any]], steps: list[dict[str, Any]]) -> dict
         owners.update((link, charged) for link in chain)
         return charged
 
+    # Threads that run none of these packages (the profiler's, data loaders', watchdogs', mostly
+    # waiting the whole step) are left out: their time is no work of the step's.
+    working = {(e.get("pid"), e.get("tid")) for pid, e in frames.items() if owner(pid) != UNCHARGED}
     packages: dict[str, float] = defaultdict(float)
     waiting = 0.0
     calls: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
     for pid, e in frames.items():
+        if (e.get("pid"), e.get("tid")) not in working:
+            continue
         name = str(e["name"])
         own = float(e["dur"]) - children_us[pid]
         if RUN_BACKWARD.search(name):
