@@ -38,23 +38,26 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+
+def _named_patterns(*pairs: tuple[str, str]) -> tuple[tuple[str, re.Pattern], ...]:
+    """(name, compiled pattern) pairs, matched in order: the first match wins."""
+    return tuple((name, re.compile(pattern)) for name, pattern in pairs)
+
+
 # Kernel categories by name, first match wins. Names are the profiler's (demangled CUDA names).
-CATEGORIES: tuple[tuple[str, re.Pattern], ...] = tuple(
-    (name, re.compile(pattern))
-    for name, pattern in (
-        ("NCCL", r"nccl"),
-        ("grouped GEMM (experts)", r"GroupProblemShape|[Gg]rouped_?[Gg]emm|grouped_mm|prepare_grouped"),
-        ("megatron-ext dispatch (Triton)", r"_gather_rows|_block_counts|_layout_kernel|_sum_rows_per_slot"),
-        ("megatron-ext activation (Triton)", r"_activation_probs"),
-        ("GEMM (attention, router, output)", r"nvjet|gemm|Gemm|xmma|cutlass|cublas|sm90_"),
-        ("attention softmax", r"[Ss]oft[Mm]ax|flash|fmha"),
-        ("optimizer", r"multi_tensor|[Aa]dam|_foreach|fused_adam"),
-        ("sort, scan, top-k (routing, permute)", r"sort|[Ss]can|topk|TopK|cumsum|bucketize|radix|Radix"),
-        ("index, scatter, gather", r"index|[Ss]catter|[Gg]ather|masked|nonzero"),
-        ("copy, memset", r"^Memcpy|^Memset|^memcpy|copy|Copy|fill|Fill"),
-        ("reduction", r"reduce|[Rr]eduction"),
-        ("elementwise", r"elementwise|[Vv]ectorized|unrolled|pointwise|triton_"),
-    )
+CATEGORIES = _named_patterns(
+    ("NCCL", r"nccl"),
+    ("grouped GEMM (experts)", r"GroupProblemShape|[Gg]rouped_?[Gg]emm|grouped_mm|prepare_grouped"),
+    ("megatron-ext dispatch (Triton)", r"_gather_rows|_block_counts|_layout_kernel|_sum_rows_per_slot"),
+    ("megatron-ext activation (Triton)", r"_activation_probs"),
+    ("GEMM (attention, router, output)", r"nvjet|gemm|Gemm|xmma|cutlass|cublas|sm90_"),
+    ("attention softmax", r"[Ss]oft[Mm]ax|flash|fmha"),
+    ("optimizer", r"multi_tensor|[Aa]dam|_foreach|fused_adam"),
+    ("sort, scan, top-k (routing, permute)", r"sort|[Ss]can|topk|TopK|cumsum|bucketize|radix|Radix"),
+    ("index, scatter, gather", r"index|[Ss]catter|[Gg]ather|masked|nonzero"),
+    ("copy, memset", r"^Memcpy|^Memset|^memcpy|copy|Copy|fill|Fill"),
+    ("reduction", r"reduce|[Rr]eduction"),
+    ("elementwise", r"elementwise|[Vv]ectorized|unrolled|pointwise|triton_"),
 )
 OTHER = "other"
 GPU_EVENTS = {"kernel", "gpu_memcpy", "gpu_memset"}
@@ -67,16 +70,13 @@ STEP = re.compile(r"^ProfilerStep#(\d+)$")
 FORWARD_BACKWARD = re.compile(r"^autograd::engine::evaluate_function|^cudaGraphLaunch")
 # The packages host time is charged to, by a Python frame's file (`path(line): function`), first match
 # wins; torch's, Python's and built-in frames are charged to their nearest caller among these.
-HOST_PACKAGES: tuple[tuple[str, re.Pattern], ...] = tuple(
-    (name, re.compile(pattern))
-    for name, pattern in (
-        ("megatron-ext", r"megatron_ext/"),
-        ("megatron-core", r"megatron/core/"),
-        ("megatron training loop", r"megatron/training/|pretrain_\w+\.py"),
-        ("transformer-engine", r"transformer_engine/"),
-        ("deep_ep", r"deep_ep/"),
-        ("triton", r"triton/"),
-    )
+HOST_PACKAGES = _named_patterns(
+    ("megatron-ext", r"megatron_ext/"),
+    ("megatron-core", r"megatron/core/"),
+    ("megatron training loop", r"megatron/training/|pretrain_\w+\.py"),
+    ("transformer-engine", r"transformer_engine/"),
+    ("deep_ep", r"deep_ep/"),
+    ("triton", r"triton/"),
 )
 UNCHARGED = "torch and Python, called by none of these"
 RUN_BACKWARD = re.compile(r"run_backward")
