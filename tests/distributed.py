@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import multiprocessing
 import os
 import subprocess
 import sys
@@ -29,14 +30,36 @@ def _one_thread(rank, world_size, fn, *args):
 COLLECTIVE_TIMEOUT_S = 600
 
 
+# What the server that forks the tests' ranks imports once, so that each rank starts without
+# importing them again (some 4 s of CPU a rank for torch and Megatron; the suite starts some 60
+# ranks). A module that does not import here is imported by the rank, as it would be when spawned.
+FORKSERVER_PRELOAD = (
+    "torch",
+    "torch.distributed",
+    "megatron.core.parallel_state",
+    "megatron.core.models.gpt.gpt_layer_specs",
+    "megatron.core.transformer.moe.moe_layer",
+    "megatron_ext.patches",
+    "megatron_ext.hybridep",
+    "tests.megatron_env",
+    "tests.reference",
+)
+
+
 def run_ranks(world_size: int, fn, *args, backend: str = "gloo", where: Placement | None = None) -> None:
-    """Call fn(rank, world_size, *args) on `world_size` spawned processes; re-raise the first failure.
+    """Call fn(rank, world_size, *args) on `world_size` processes forked from a server that has
+    imported torch and Megatron (`FORKSERVER_PRELOAD`); re-raise the first failure.
 
     `fn` must be importable (a module-level function of a test module). With backend "nccl" rank i
-    runs on GPU i; `where` places them otherwise. (`megatron_ext.tooling.ranks.run_on_ranks`.)
+    runs on GPU i; `where` places them otherwise. (`megatron_ext.tooling.ranks.run_on_ranks`.) The
+    server starts at the first call, with this process's environment then (TRITON_INTERPRET
+    included), and serves every later call of this process.
     """
     where = where or placement_of(backend)
-    run_on_ranks(_one_thread, world_size, fn, *args, where=where, timeout_s=COLLECTIVE_TIMEOUT_S)
+    multiprocessing.get_context("forkserver").set_forkserver_preload(list(FORKSERVER_PRELOAD))
+    run_on_ranks(
+        _one_thread, world_size, fn, *args, where=where, timeout_s=COLLECTIVE_TIMEOUT_S, start_method="forkserver"
+    )
 
 
 @contextlib.contextmanager

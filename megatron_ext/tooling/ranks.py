@@ -159,6 +159,7 @@ def run_on_ranks(
     backend: Optional[str] = None,
     where: Optional[Placement] = None,
     timeout_s: float = 1800,
+    start_method: str = "spawn",
 ) -> None:
     """Call `fn(rank, world_size, *args)` on every rank, inside a process group made for the call.
 
@@ -168,6 +169,9 @@ def run_on_ranks(
     ProcessRaisedException, with the rank's traceback) once the others were stopped; `fn` must be
     importable (module level), and what it returns is dropped, so ranks report through files: a
     spawned rank ends with `os._exit(0)` once `fn` returned, without the interpreter's teardown.
+    `start_method`: how ranks are started, "spawn" (a fresh interpreter each) or "forkserver" (forked
+    from a server process that has imported the modules `multiprocessing.set_forkserver_preload`
+    names: the tests start many groups of ranks, and so import torch and Megatron once).
     """
     if where is None:
         where = placement_of(backend or "gloo")
@@ -185,4 +189,4 @@ def run_on_ranks(
 
     with tempfile.TemporaryDirectory() as tmp:
         entry = (world_size, os.path.join(tmp, "init"), where, timeout_s, fn, args)
-        mp.spawn(_spawned, args=entry, nprocs=world_size, join=True)
+        mp.start_processes(_spawned, args=entry, nprocs=world_size, join=True, start_method=start_method)
