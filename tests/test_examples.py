@@ -2,14 +2,17 @@
 
 Each script's `DRY_RUN=1` runs `examples/pretrain_moe.py --megatron-ext-dry-run` with the arguments
 it would train with, which parses and validates them with Megatron's `parse_args`/`validate_args`
-and prints what it would build. A dry run spends about 10 s importing Megatron, so all of them
-start at once, in one module fixture. The real command lines are read through a stand-in
-interpreter (and stand-in `srun`/`scontrol`) that records its arguments instead of training.
+and prints what it would build. A dry run spends about 5 s of CPU importing Megatron and holds
+about 1 GB, so they run in one module fixture, `DRY_RUNS_AT_ONCE` (4) at a time (all 25 at once
+loaded 2 cores some 90 deep and risked a small machine's memory). The real command lines are read
+through a stand-in interpreter (and stand-in `srun`/`scontrol`) that records its arguments instead
+of training.
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import dataclasses
 import functools
 import importlib.util
@@ -36,6 +39,8 @@ SCRIPT_VARS = (
 )
 SLURM = {"SLURM_NNODES": "3", "SLURM_JOB_NODELIST": "node[01-03]", "SLURM_JOB_ID": "42"}
 
+# At most this many dry runs at once (each a Megatron-importing process).
+DRY_RUNS_AT_ONCE = 4
 # name: (script, environment, extra arguments); each runs with DRY_RUN=1 and no GPU tool on its PATH.
 DRY_RUNS = {
     "smoke": ("smoke_1gpu.sh", {}, []),
@@ -154,8 +159,8 @@ def no_gpu_tools(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def dry_runs(tmp_path_factory, smoke_args, no_gpu_tools) -> dict[str, subprocess.CompletedProcess]:
-    """Every dry run, side by side: the scripts', pretrain_moe.py's with the smoke arguments and a
-    capacity factor below 1 ("invalid"), and pretrain_moe.py --help."""
+    """Every dry run, `DRY_RUNS_AT_ONCE` side by side: the scripts', pretrain_moe.py's with the smoke
+    arguments and a capacity factor below 1 ("invalid"), and pretrain_moe.py --help."""
     folder = tmp_path_factory.mktemp("dry_runs")
     bash = shutil.which("bash")
     commands = {
@@ -171,19 +176,17 @@ def dry_runs(tmp_path_factory, smoke_args, no_gpu_tools) -> dict[str, subprocess
     incomplete = [a for i, a in enumerate(smoke_args) if not _is_removed(smoke_args, i, unset)]
     commands["incomplete"] = ([sys.executable, str(PRETRAIN), *incomplete, DRY_RUN_FLAG], script_env())
     commands["help"] = ([sys.executable, str(PRETRAIN), "--help"], script_env(COLUMNS="10000"))
-    running = {}
-    for name, (command, env) in commands.items():
+
+    def run(name: str) -> subprocess.CompletedProcess:
+        command, env = commands[name]
         with open(folder / f"{name}.out", "w") as out, open(folder / f"{name}.err", "w") as err:
-            running[name] = subprocess.Popen(command, env=env, cwd=folder, stdout=out, stderr=err)
-    return {
-        name: subprocess.CompletedProcess(
-            commands[name][0],
-            process.wait(timeout=600),
-            (folder / f"{name}.out").read_text(),
-            (folder / f"{name}.err").read_text(),
+            code = subprocess.run(command, env=env, cwd=folder, stdout=out, stderr=err, timeout=600).returncode
+        return subprocess.CompletedProcess(
+            command, code, (folder / f"{name}.out").read_text(), (folder / f"{name}.err").read_text()
         )
-        for name, process in running.items()
-    }
+
+    with concurrent.futures.ThreadPoolExecutor(DRY_RUNS_AT_ONCE) as pool:
+        return dict(zip(commands, pool.map(run, commands)))
 
 
 @pytest.fixture(scope="module")
