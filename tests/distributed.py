@@ -14,13 +14,17 @@ import traceback
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from megatron_ext.tooling.ranks import Placement, become_rank, placement_of, run_on_ranks
 
 
 def _one_thread(rank, world_size, fn, *args):
+    # One intra-op thread per rank: the ranks share the cores. Setting OMP_NUM_THREADS here is too
+    # late (torch read it at import, in the server the rank was forked from), so torch is told.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
     fn(rank, world_size, *args)
 
 
