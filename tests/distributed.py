@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ext.tooling.ranks import Placement, become_rank, placement_of, run_on_ranks
+from tests import slots
 
 
 def _one_thread(rank, world_size, fn, *args):
@@ -57,13 +58,15 @@ def run_ranks(world_size: int, fn, *args, backend: str = "gloo", where: Placemen
     `fn` must be importable (a module-level function of a test module). With backend "nccl" rank i
     runs on GPU i; `where` places them otherwise. (`megatron_ext.tooling.ranks.run_on_ranks`.) The
     server starts at the first call, with this process's environment then (TRITON_INTERPRET
-    included), and serves every later call of this process.
+    included), and serves every later call of this process. The ranks start once `world_size`
+    heavy-process slots are free (`tests.slots.lend`; this process waits meanwhile).
     """
     where = where or placement_of(backend)
     multiprocessing.get_context("forkserver").set_forkserver_preload(list(FORKSERVER_PRELOAD))
-    run_on_ranks(
-        _one_thread, world_size, fn, *args, where=where, timeout_s=COLLECTIVE_TIMEOUT_S, start_method="forkserver"
-    )
+    with slots.lend(world_size):
+        run_on_ranks(
+            _one_thread, world_size, fn, *args, where=where, timeout_s=COLLECTIVE_TIMEOUT_S, start_method="forkserver"
+        )
 
 
 @contextlib.contextmanager
@@ -144,17 +147,21 @@ def outcome_test(checks):
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def python_module(module: str, *args: str, timeout: float | None = None, env: dict | None = None):
+def python_module(module: str, *args: str, timeout: float | None = None, env: dict | None = None, heavy: int = 1):
     """`python -m MODULE ARGS` in the repository root, its output captured as text (`env`: added
-    to this process's environment); the `subprocess.CompletedProcess`."""
-    return subprocess.run(
-        [sys.executable, "-m", module, *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=ROOT,
-        env=None if env is None else {**os.environ, **env},
-    )
+    to this process's environment); the `subprocess.CompletedProcess`. `heavy`: how many heavy
+    processes it is at most (the ranks it spawns), the slots it waits for (`tests.slots.lend`); the
+    child itself takes none."""
+    child_env = {k: v for k, v in os.environ.items() if k != slots.ENV} | (env or {})
+    with slots.lend(heavy):
+        return subprocess.run(
+            [sys.executable, "-m", module, *args],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            cwd=ROOT,
+            env=child_env,
+        )
 
 
 def timed_out_output(stopped) -> str:

@@ -34,6 +34,8 @@ from unittest import mock
 
 import pytest
 
+from tests import slots
+
 ROOT = Path(__file__).resolve().parents[1]
 TRACEBACK = "Traceback (most recent call last)"
 
@@ -525,6 +527,11 @@ def _slug(case_id: str) -> str:
 def outcomes(tmp_path_factory) -> dict[str, dict[str, Any]]:
     """Every case's outcome: the two shared groups and the fresh cases, all at once (4 processes at most)."""
     folder = tmp_path_factory.mktemp("bad_inputs")
+    with slots.lend(4):
+        return _every_outcome(folder)
+
+
+def _every_outcome(folder: Path) -> dict[str, dict[str, Any]]:
     groups = {
         group: subprocess.Popen(
             [sys.executable, "-m", "tests.test_bad_inputs", group, str(folder / f"{group}.json"), str(folder / group)],

@@ -54,7 +54,8 @@ HAS_DEEP_EP = importlib.util.find_spec("deep_ep") is not None
 
 
 def _bench(*args, env=None, timeout=600):
-    return python_module("megatron_ext.bench", *args, timeout=timeout, env=env)
+    """The bench's command line; it spawns at most WORLD ranks (every call here runs 2)."""
+    return python_module("megatron_ext.bench", *args, timeout=timeout, env=env, heavy=WORLD)
 
 
 @pytest.fixture(scope="module")

@@ -27,6 +27,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests import slots
+
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples"
 PRETRAIN = EXAMPLES / "pretrain_moe.py"
@@ -185,7 +187,7 @@ def dry_runs(tmp_path_factory, smoke_args, no_gpu_tools) -> dict[str, subprocess
             command, code, (folder / f"{name}.out").read_text(), (folder / f"{name}.err").read_text()
         )
 
-    with concurrent.futures.ThreadPoolExecutor(DRY_RUNS_AT_ONCE) as pool:
+    with slots.lend(DRY_RUNS_AT_ONCE), concurrent.futures.ThreadPoolExecutor(DRY_RUNS_AT_ONCE) as pool:
         return dict(zip(commands, pool.map(run, commands)))
 
 

@@ -4,11 +4,14 @@ import re
 import subprocess
 import sys
 
+from tests import slots
+
 
 def _run(*args):
-    return subprocess.run(
-        [sys.executable, "-m", "megatron_ext.tooling.roundtrip", *args], capture_output=True, text=True, timeout=300
-    )
+    with slots.lend(2):  # its 2 spawned ranks
+        return subprocess.run(
+            [sys.executable, "-m", "megatron_ext.tooling.roundtrip", *args], capture_output=True, text=True, timeout=300
+        )
 
 
 def test_roundtrip_on_two_cpu_ranks():
