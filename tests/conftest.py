@@ -1,6 +1,9 @@
+import os
+
 import pytest
 import torch
 
+from tests import slots
 from tests.distributed import one_rank_group
 
 # Modules whose tests spawn ranks or processes: `pytest -m "not slow"` leaves them out.
@@ -18,7 +21,26 @@ SLOW_MODULES = {
 }
 
 
+INTERPRETER = "tests.test_interpreter"
+
+
+def pytest_sessionstart(session):
+    slots.ensure_folder()  # the first pytest process of a run makes it; the re-runs inherit it
+    slots.hold_lane()
+
+
+def pytest_sessionfinish(session):
+    from tests import test_interpreter
+
+    test_interpreter.stop()
+    slots.drop_lane()
+    slots.remove_folder()
+
+
 def pytest_collection_modifyitems(config, items):
+    # test_interpreter's tests last: they wait for their re-runs, which start in the background
+    # once collected (pytest_collection_finish), so the other tests run meanwhile.
+    items.sort(key=lambda item: item.module.__name__ == INTERPRETER)
     for item in items:
         if item.module.__name__.rsplit(".", 1)[-1] in SLOW_MODULES:
             item.add_marker(pytest.mark.slow)
@@ -28,6 +50,17 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_collection_finish(session):
+    """Start test_interpreter's re-runs of the files its selected tests name, in the background."""
+    if session.config.option.collectonly or os.environ.get("TRITON_INTERPRET") == "1":
+        return
+    paths = [item.callspec.params["path"] for item in session.items if item.module.__name__ == INTERPRETER]
+    if paths:
+        from tests import test_interpreter
+
+        test_interpreter.start(paths)
 
 
 @pytest.fixture(scope="module")
