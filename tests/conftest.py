@@ -25,6 +25,9 @@ INTERPRETER = "tests.test_interpreter"
 
 
 def pytest_sessionstart(session):
+    # One intra-op thread, as each spawned rank has: up to 4 heavy processes share the cores (2 on
+    # CI), and a second thread only spins. The children it starts keep their own environment.
+    torch.set_num_threads(1)
     slots.ensure_folder()  # the first pytest process of a run makes it; the re-runs inherit it
     slots.hold_lane()
 
