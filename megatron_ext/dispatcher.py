@@ -202,7 +202,7 @@ class HybridEPCapacityManager(CapacityPolicy):
         # its rows / capacity in Megatron's MoE metrics (a device add, no read).
         self.log_metrics = False
         self._inflight: Optional[InFlight] = None
-        # The overflow assert's message and what it was made for (name, capacity, budget): made once.
+        # The overflow assert's message and what it was made for (layer number, capacity, budget).
         self._overflow_message_for: Optional[tuple] = None
         self._overflow_message_text = ""
         self._num_tokens = 0  # this rank's tokens in the current dispatch, before padding

@@ -325,7 +325,8 @@ class CapacityPolicy:
 
     def _overflow_message(self, with_budget: bool) -> str:
         """The device assert's message of an overflow, made once per layer, capacity and budget."""
-        key = (self.name, self.capacity, self.expert_budget if with_budget else None)
+        # By the layer number, not the name: `name` formats a string on every read.
+        key = (self.layer_number, self.capacity, self.expert_budget if with_budget else None)
         if self._overflow_message_for != key:
             budget = f" or an expert its budget of {self.expert_budget}" if with_budget else ""
             # The fixes first after the facts: the device's limit cuts what comes after 254 characters.
