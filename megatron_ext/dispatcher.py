@@ -399,13 +399,7 @@ class HybridEPCapacityManager(CapacityPolicy):
                 budget_map = budgets.budget_map(self.tokens_per_expert, capacity, self._expert_budget())
             if not megatron_graph_warmup():
                 counters = self._device_counters(dispatched.device)
-                self._assert_no_overflow(handle, counters, budget_map)
-                device_rows = self.tokens_per_expert.sum()  # the rows it produced, on the device (never read)
-                torch.maximum(counters.rows_used, device_rows, out=counters.rows_used)
-                if budget_map is not None:
-                    largest = self.tokens_per_expert.max().to(torch.int64)
-                    torch.maximum(counters.expert_rows_used, largest, out=counters.expert_rows_used)
-                self._record_capacity_use(device_rows)
+                self._record_dispatch(handle, self.tokens_per_expert, counters, budget_map)
         self._inflight = InFlight(buffer, handle, capacity, self._num_tokens, budget_map)
         return dispatched
 

@@ -362,3 +362,126 @@ def test_host_sizes_match_tritons():
         for d in (1, 3, 16, 1024):
             assert fused._cdiv(n, d) == fused.triton.cdiv(n, d), (n, d)
     assert fused._next_pow2(0) == 1 and fused._cdiv(0, 4) == 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("experts", [1, 6, 64, 130])
+@pytest.mark.parametrize("flag_dtype", [torch.bool, torch.int32])
+@pytest.mark.parametrize("budget", [False, True], ids=["capacity", "budget"])
+def test_record_dispatch_updates_the_counters_and_metric_as_torchs_ops_do(device, experts, flag_dtype, budget):
+    """Three dispatches in a row, each against the torch ops the kernel replaces: the overflow count
+    (the flag's value added), the running maxima, the not-overflowed flag, and the metric bit for bit
+    (the float32 product, then the float32 add)."""
+    from megatron_ext.capacity import capacity_reciprocal
+
+    gen = torch.Generator().manual_seed(experts * 10 + budget + (flag_dtype is torch.bool))
+    counters = {k: torch.randint(0, 50, (), generator=gen).to(device) for k in ("overflows", "rows_used", "expert")}
+    not_overflowed = torch.zeros(1, dtype=torch.bool, device=device)
+    metric = torch.rand(4, generator=gen).to(device)
+    expected = {k: v.clone() for k, v in counters.items()}
+    expected_metric = metric.clone()
+    capacity = int(torch.randint(50, 9000, (), generator=gen))
+    for step in range(3):
+        counts = torch.randint(0, 300, (experts,), generator=gen, dtype=torch.int64)
+        counts = counts.to(torch.int32) if step == 1 else counts  # deep_ep's int32 counts, and int64
+        raised = (0, 1, 2)[step] if flag_dtype is torch.int32 else step % 2
+        flag = torch.tensor([raised], dtype=flag_dtype)
+        budget_flag = torch.tensor([step == 2], dtype=torch.int32)
+        fused.record_dispatch(
+            flag.to(device),
+            counts.to(device),
+            counters["overflows"],
+            counters["rows_used"],
+            not_overflowed,
+            budget_flag=budget_flag.to(device) if budget else None,
+            expert_rows_used=counters["expert"] if budget else None,
+            metric=metric,
+            metric_index=step + 1,
+            reciprocal=capacity_reciprocal(capacity),
+        )
+        overflow = torch.maximum(flag.to(torch.int64), budget_flag.to(torch.int64)) if budget else flag.to(torch.int64)
+        expected["overflows"] += overflow.reshape(())
+        rows = counts.sum()
+        expected["rows_used"] = torch.maximum(expected["rows_used"], rows.to(device))
+        if budget:
+            expected["expert"] = torch.maximum(expected["expert"], counts.max().to(torch.int64).to(device))
+        expected_metric[step + 1] += rows.to(device) * capacity_reciprocal(capacity)
+        for name, value in counters.items():
+            assert torch.equal(value, expected[name]), (name, step)
+        assert bool(not_overflowed) == (int(overflow) == 0), step
+        assert torch.equal(metric, expected_metric), step
+    assert counters["overflows"].dtype == torch.int64 and not_overflowed.dtype == torch.bool
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_record_dispatch_without_a_metric_leaves_it_alone_and_refuses_half_a_budget(device):
+    counters = [torch.zeros((), dtype=torch.int64, device=device) for _ in range(3)]
+    not_overflowed = torch.ones(1, dtype=torch.bool, device=device)
+    flag = torch.tensor([1], dtype=torch.int32, device=device)
+    counts = torch.tensor([3, 4], device=device)
+    fused.record_dispatch(flag, counts, counters[0], counters[1], not_overflowed)
+    assert [int(c) for c in counters] == [1, 7, 0] and not bool(not_overflowed)  # expert_rows_used untouched
+    with pytest.raises(ValueError, match="budget_flag and expert_rows_used"):
+        fused.record_dispatch(flag, counts, counters[0], counters[1], not_overflowed, budget_flag=flag)
+    with pytest.raises(ValueError, match="metric must be float32 with an element 4"):
+        fused.record_dispatch(
+            flag, counts, *counters[:2], not_overflowed, metric=torch.zeros(4, device=device), metric_index=4
+        )
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("budget", [False, True], ids=["capacity", "budget"])
+def test_a_layers_dispatch_bookkeeping_is_one_kernel_with_the_torch_paths_results(
+    gloo_group, monkeypatch, device, budget
+):
+    """A capacity-mode layer's bookkeeping after a non-blocking dispatch, fused (one
+    `record_dispatch`, the assert with the fail policy) and through torch's ops: the same counters
+    and the same capacity-use values in Megatron's metric tracker, bit for bit; an overflow asserts."""
+    from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+
+    from megatron_ext.capacity import budget as budgets
+    from megatron_ext.capacity import policy
+    from megatron_ext.capacity.policy import CAPACITY_USE_METRIC, DeviceCounters
+    from megatron_ext.dispatcher import HybridEPCapacityManager
+    from megatron_ext.options import validate
+    from tests.megatron_env import FLEX, make_config
+
+    config = make_config(1, **FLEX, moe_hybridep_capacity_factor=1.5, num_layers=2)
+    manager = HybridEPCapacityManager(gloo_group, 8, 8, config, validate(config), "torch")
+    manager.capacity, manager.expert_budget, manager.log_metrics = 96, 20, True
+    layer = type("Layer", (), {"layer_number": 2})()  # held: the manager keeps a weak reference
+    manager.bind_layer(layer)
+    tracker = get_moe_metrics_tracker()
+    gen = torch.Generator().manual_seed(5 + budget)
+    dispatches = [torch.randint(0, 11, (8,), generator=gen).to(device) for _ in range(3)]
+    dispatches[0][3] = 11
+
+    def run(fused_path: bool):
+        tracker.metrics.pop(CAPACITY_USE_METRIC, None)
+        monkeypatch.setattr(fused, "enabled_for", lambda t: fused_path)
+        counters = DeviceCounters.zeros(torch.device(device))
+        for tokens_per_expert in dispatches:
+            budget_map = budgets.budget_map(tokens_per_expert, manager.capacity, 10) if budget else None
+            handle = (None,) * 10 + (torch.zeros(1, dtype=torch.int32, device=device),)
+            manager._record_dispatch(handle, tokens_per_expert, counters, budget_map)
+        return counters, tracker.metrics[CAPACITY_USE_METRIC].values.clone()
+
+    manager.record_overflow = True  # the rerun policy: a budget overflow is counted, not asserted
+    expected_counters, expected_values = run(fused_path=False)
+    launches = []
+    record = fused.record_dispatch
+    monkeypatch.setattr(fused, "record_dispatch", lambda *a, **k: launches.append(1) or record(*a, **k))
+    monkeypatch.setattr(policy.CapacityPolicy, "_assert_no_overflow", None)  # the torch path: not taken
+    monkeypatch.setattr(policy.CapacityPolicy, "_record_capacity_use", None)
+    counters, values = run(fused_path=True)
+    assert len(launches) == len(dispatches)
+    for name in ("overflows", "rows_used", "expert_rows_used"):
+        assert torch.equal(getattr(counters, name), getattr(expected_counters, name)), name
+    assert (int(counters.overflows) > 0) == budget  # a budget of 10 rows: the first dispatch's 11 overflow it
+    assert torch.equal(values, expected_values) and values[1] > 0 and values[0] == 0  # layer 2's entry only
+    if not budget:  # the fail policy: an overflow stops on the device, with the layer's message
+        manager.record_overflow = False
+        handle = (None,) * 10 + (torch.ones(1, dtype=torch.int32, device=device),)
+        with pytest.raises(RuntimeError):
+            manager._record_dispatch(handle, dispatches[0], counters)
+            torch.cuda.synchronize() if device == "cuda" else None

@@ -28,6 +28,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from megatron_ext import fused
 from megatron_ext.capacity import budget as budgets
 from megatron_ext.capacity import budget_from_rows, capacity_from_rows, capacity_reciprocal, half_headroom
 from megatron_ext.capacity.host_constant import host_constant
@@ -63,10 +64,13 @@ class DeviceCounters:
     overflows: torch.Tensor
     # With static expert splits: the most rows one local expert received, as `rows_used`.
     expert_rows_used: torch.Tensor
+    # [1] bool: whether the last non-blocking dispatch did not overflow (what the assert reads).
+    not_overflowed: torch.Tensor
 
     @classmethod
     def zeros(cls, device: torch.device) -> DeviceCounters:
-        return cls(*(torch.zeros((), dtype=torch.int64, device=device) for _ in range(3)))
+        counts = (torch.zeros((), dtype=torch.int64, device=device) for _ in range(3))
+        return cls(*counts, torch.ones(1, dtype=torch.bool, device=device))
 
 
 class GraphCaptureError(RuntimeError):
@@ -227,6 +231,70 @@ class CapacityPolicy:
             self.options.capacity_factor,
             self.capacity,
         )
+
+    def _record_dispatch(
+        self,
+        handle: Handle,
+        tokens_per_expert: torch.Tensor,
+        counters: DeviceCounters,
+        budget_map: Optional[budgets.BudgetMap] = None,
+    ) -> None:
+        """What a non-blocking dispatch leaves on the device: its overflow counted (and, with the
+        fail policy, asserted), its rows into `rows_used` (with budgets, its largest expert's into
+        `expert_rows_used`), its rows / capacity into Megatron's metric. Where the fused kernels run
+        (`fused.enabled_for`), one launch and the assert; elsewhere torch's ops, with equal results."""
+        if not fused.enabled_for(tokens_per_expert) or not tokens_per_expert.is_contiguous():
+            self._assert_no_overflow(handle, counters, budget_map)
+            rows = tokens_per_expert.sum()  # the rows it produced, on the device (never read)
+            torch.maximum(counters.rows_used, rows, out=counters.rows_used)
+            if budget_map is not None:
+                largest = tokens_per_expert.max().to(torch.int64)
+                torch.maximum(counters.expert_rows_used, largest, out=counters.expert_rows_used)
+            self._record_capacity_use(rows)
+            return
+        metric = self._capacity_use_values(tokens_per_expert.device)
+        fused.record_dispatch(
+            overflow_flag(handle),
+            tokens_per_expert,
+            counters.overflows,
+            counters.rows_used,
+            counters.not_overflowed,
+            budget_flag=None if budget_map is None else budget_map.overflow,
+            expert_rows_used=None if budget_map is None else counters.expert_rows_used,
+            metric=metric,
+            metric_index=0 if metric is None else self.layer_number - 1,
+            reciprocal=capacity_reciprocal(self.capacity),
+        )
+        if not self.record_overflow:
+            torch._assert_async(counters.not_overflowed, self._overflow_message(budget_map is not None))
+
+    def _capacity_use_values(self, device: torch.device) -> Optional[torch.Tensor]:
+        """Megatron's per-layer values of `CAPACITY_USE_METRIC` for the fused bookkeeping to add this
+        layer's use into (what `record` would add to), or None when no use is recorded. The entry is
+        made by Megatron's own `record` the first time (adding 0)."""
+        if not self.log_metrics or self.layer_number is None or in_backward():  # a recompute replay: counted once
+            return None
+        from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+
+        tracker = get_moe_metrics_tracker()
+        entry = tracker.metrics.get(CAPACITY_USE_METRIC)
+        if entry is None:
+            layers = numbered_layers(self.config)
+            tracker.record(CAPACITY_USE_METRIC, torch.zeros((), device=device), self.layer_number, layers)
+            entry = tracker.metrics[CAPACITY_USE_METRIC]
+        values = entry.values
+        if not (
+            values.dtype == torch.float32
+            and values.device == device
+            and values.is_contiguous()
+            and values.numel() >= self.layer_number
+        ):
+            raise RuntimeError(
+                f"megatron-ext: Megatron's MoE metric {CAPACITY_USE_METRIC!r} holds {values.dtype} "
+                f"{tuple(values.shape)} on {values.device}; expected float32 values of every layer on {device}. "
+                "Leave this metric's name to megatron-ext."
+            )
+        return values
 
     def _record_capacity_use(self, rows: torch.Tensor) -> None:
         """Rows / capacity of this forward dispatch (`capacity_reciprocal`'s product) into Megatron's

@@ -19,13 +19,16 @@ The kernels:
   order of the row table (expert order); a gather per slot, deterministic, with no atomics and no
   sort (the unpermute of a combine); `sum_rows_per_slot_and_values`: with each slot's values by
   expert (the combined probs) in the same launch.
+* `record_dispatch`: a non-blocking dispatch's bookkeeping (its overflow counted, its rows into
+  the layer's running maxima and Megatron's capacity-use metric) in one launch.
 
 `enabled_for(t)` says whether they run for a tensor: CUDA tensors when Triton imports, and CPU
 tensors under Triton's interpreter (`TRITON_INTERPRET=1`, how the CPU tests run them).
 
 The package by subject: what the kernels share (`common.py`: Triton, `enabled_for`, launch
 sizes, argument checks), the activation (`activation.py`), the row gathers and sums
-(`rows.py`), and the dispatch layout (`layout.py`). Callers use the names below, imported here.
+(`rows.py`), the dispatch layout (`layout.py`) and a dispatch's bookkeeping (`counters.py`).
+Callers use the names below, imported here.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from megatron_ext.fused.common import (  # noqa: F401 (re-exported: fused.enable
     interpreting,
     triton,
 )
+from megatron_ext.fused.counters import record_dispatch  # noqa: F401 (re-exported: the capacity policy)
 from megatron_ext.fused.layout import Layout, block_counts, dispatch_layout  # noqa: F401 (re-exported: callers)
 from megatron_ext.fused.rows import (  # noqa: F401 (re-exported: the torch buffer and the tests call fused.X)
     gather_rows,
