@@ -387,7 +387,8 @@ def test_record_dispatch_updates_the_counters_and_metric_as_torchs_ops_do(device
         raised = (0, 1, 2)[step] if flag_dtype is torch.int32 else step % 2
         flag = torch.tensor([raised], dtype=flag_dtype)
         budget_flag = torch.tensor([step == 2], dtype=torch.int32)
-        fused.record_dispatch(
+        limit = int(counts.sum()) - 7 if step == 0 else 10**6  # clamped at the first dispatch
+        offsets = fused.record_dispatch(
             flag.to(device),
             counts.to(device),
             counters["overflows"],
@@ -398,7 +399,10 @@ def test_record_dispatch_updates_the_counters_and_metric_as_torchs_ops_do(device
             metric=metric,
             metric_index=step + 1,
             reciprocal=capacity_reciprocal(capacity),
+            offsets_limit=limit,
         )
+        expected_offsets = torch.cumsum(counts, 0, dtype=torch.int32).clamp_(max=limit)
+        assert offsets.dtype == torch.int32 and torch.equal(offsets.cpu(), expected_offsets), step
         overflow = torch.maximum(flag.to(torch.int64), budget_flag.to(torch.int64)) if budget else flag.to(torch.int64)
         expected["overflows"] += overflow.reshape(())
         rows = counts.sum()
@@ -419,7 +423,7 @@ def test_record_dispatch_without_a_metric_leaves_it_alone_and_refuses_half_a_bud
     not_overflowed = torch.ones(1, dtype=torch.bool, device=device)
     flag = torch.tensor([1], dtype=torch.int32, device=device)
     counts = torch.tensor([3, 4], device=device)
-    fused.record_dispatch(flag, counts, counters[0], counters[1], not_overflowed)
+    assert fused.record_dispatch(flag, counts, counters[0], counters[1], not_overflowed) is None  # no offsets asked
     assert [int(c) for c in counters] == [1, 7, 0] and not bool(not_overflowed)  # expert_rows_used untouched
     with pytest.raises(ValueError, match="budget_flag and expert_rows_used"):
         fused.record_dispatch(flag, counts, counters[0], counters[1], not_overflowed, budget_flag=flag)
@@ -475,6 +479,13 @@ def test_a_layers_dispatch_bookkeeping_is_one_kernel_with_the_torch_paths_result
     monkeypatch.setattr(policy.CapacityPolicy, "_record_capacity_use", None)
     counters, values = run(fused_path=True)
     assert len(launches) == len(dispatches)
+    for tokens_per_expert in dispatches:  # the experts' offsets, made in the same launch (not with budgets)
+        kept = fused.attached_offsets(tokens_per_expert, manager.capacity)
+        if budget:
+            assert kept is None
+        else:
+            assert torch.equal(kept, torch.cumsum(tokens_per_expert, 0, dtype=torch.int32).clamp_(max=96))
+            assert fused.attached_offsets(tokens_per_expert, manager.capacity + 4) is None  # other rows: not these
     for name in ("overflows", "rows_used", "expert_rows_used"):
         assert torch.equal(getattr(counters, name), getattr(expected_counters, name)), name
     assert (int(counters.overflows) > 0) == budget  # a budget of 10 rows: the first dispatch's 11 overflow it

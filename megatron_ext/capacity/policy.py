@@ -242,7 +242,8 @@ class CapacityPolicy:
         """What a non-blocking dispatch leaves on the device: its overflow counted (and, with the
         fail policy, asserted), its rows into `rows_used` (with budgets, its largest expert's into
         `expert_rows_used`), its rows / capacity into Megatron's metric. Where the fused kernels run
-        (`fused.enabled_for`), one launch and the assert; elsewhere torch's ops, with equal results."""
+        (`fused.enabled_for`), one launch and the assert, which also makes the experts' offsets (kept
+        on `tokens_per_expert`, `fused.attach_offsets`); elsewhere torch's ops, with equal results."""
         if not fused.enabled_for(tokens_per_expert) or not tokens_per_expert.is_contiguous():
             self._assert_no_overflow(handle, counters, budget_map)
             rows = tokens_per_expert.sum()  # the rows it produced, on the device (never read)
@@ -253,7 +254,7 @@ class CapacityPolicy:
             self._record_capacity_use(rows)
             return
         metric = self._capacity_use_values(tokens_per_expert.device)
-        fused.record_dispatch(
+        offsets = fused.record_dispatch(
             overflow_flag(handle),
             tokens_per_expert,
             counters.overflows,
@@ -264,7 +265,10 @@ class CapacityPolicy:
             metric=metric,
             metric_index=0 if metric is None else self.layer_number - 1,
             reciprocal=capacity_reciprocal(self.capacity),
+            offsets_limit=None if budget_map is not None else self.capacity,  # budgets: the experts get others
         )
+        if offsets is not None:
+            fused.attach_offsets(tokens_per_expert, self.capacity, offsets)
         if not self.record_overflow:
             torch._assert_async(counters.not_overflowed, self._overflow_message(budget_map is not None))
 

@@ -294,8 +294,11 @@ class GroupedMLP(MegatronModule):
         self._check_sync_free(x)
         # Expert boundaries as grouped_mm wants them: inclusive cumulative counts, int32, on the
         # device; clamped to P so that bad counts can never make it read past the rows it has.
-        # Two launches: the sum in int32 directly (counts are far below 2**31), clamped in place.
-        offsets = torch.cumsum(tokens_per_expert.to(x.device), 0, dtype=torch.int32).clamp_(max=rows)
+        # A capacity-mode dispatch made them with its bookkeeping (`fused.record_dispatch`); else
+        # two launches: the sum in int32 directly (counts are far below 2**31), clamped in place.
+        offsets = fused.attached_offsets(tokens_per_expert, rows)
+        if offsets is None:
+            offsets = torch.cumsum(tokens_per_expert.to(x.device), 0, dtype=torch.int32).clamp_(max=rows)
         if self._fused_activation is not None and fused.enabled_for(x):
             gated, activation = self._fused_activation
             out = _FusedExperts.apply(

@@ -20,7 +20,8 @@ The kernels:
   sort (the unpermute of a combine); `sum_rows_per_slot_and_values`: with each slot's values by
   expert (the combined probs) in the same launch.
 * `record_dispatch`: a non-blocking dispatch's bookkeeping (its overflow counted, its rows into
-  the layer's running maxima and Megatron's capacity-use metric) in one launch.
+  the layer's running maxima and Megatron's capacity-use metric) in one launch, with the experts'
+  offsets (`attach_offsets` / `attached_offsets` hand them over on the dispatch's counts).
 
 `enabled_for(t)` says whether they run for a tensor: CUDA tensors when Triton imports, and CPU
 tensors under Triton's interpreter (`TRITON_INTERPRET=1`, how the CPU tests run them).
@@ -47,7 +48,11 @@ from megatron_ext.fused.common import (  # noqa: F401 (re-exported: fused.enable
     interpreting,
     triton,
 )
-from megatron_ext.fused.counters import record_dispatch  # noqa: F401 (re-exported: the capacity policy)
+from megatron_ext.fused.counters import (  # noqa: F401 (re-exported: the capacity policy and the experts)
+    attach_offsets,
+    attached_offsets,
+    record_dispatch,
+)
 from megatron_ext.fused.layout import Layout, block_counts, dispatch_layout  # noqa: F401 (re-exported: callers)
 from megatron_ext.fused.rows import (  # noqa: F401 (re-exported: the torch buffer and the tests call fused.X)
     gather_rows,
