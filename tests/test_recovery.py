@@ -842,3 +842,39 @@ def test_the_step_check_sees_thin_headroom_and_counts_before_the_step_as_old(mon
     layers[1].counters.rows_used.fill_(56)  # above 10 + 90 // 2 = 55
     assert check.read(2)[1]
     assert not check.read(2)[0]
+
+
+def test_the_steps_largest_use_goes_to_megatrons_metric_in_one_launch_for_this_ranks_layers():
+    """`_record_largest_use`: each of this rank's layers gets uses[layer - 1] x the micro-batch count
+    (which Megatron's report divides by) and the other stages' layers 0, in one launch whatever the
+    layer count once the scale is made."""
+    from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+
+    from megatron_ext.dispatcher import CAPACITY_USE_MAX_METRIC
+    from megatron_ext.training.recovery import _record_largest_use
+
+    class Counted(torch.utils._python_dispatch.TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    tracker = get_moe_metrics_tracker()
+    tracker.metrics.pop(CAPACITY_USE_MAX_METRIC, None)
+    layers = [_Layer(n, capacity=100 * n, calibrated_rows=50 * n) for n in (2, 3, 5)]  # this stage's layers
+    for layer in layers:
+        layer.log_metrics = True
+    layers[2].capacity = None  # not calibrated before the step: records nothing
+    uses = torch.rand(6, generator=torch.Generator().manual_seed(3))
+    _record_largest_use(layers, uses, 6)  # makes Megatron's entry and the scale
+    tracker.clear()
+    with Counted() as counted:
+        _record_largest_use(layers, uses, 6)
+    assert counted.ops == ["addcmul_"]
+    values = tracker.metrics.pop(CAPACITY_USE_MAX_METRIC).values
+    expected = torch.zeros(6)
+    expected[[1, 2]] = uses[[1, 2]] * 6  # bit for bit the product torch rounds
+    assert torch.equal(values, expected)

@@ -315,18 +315,6 @@ class CapacityPolicy:
             numbered_layers(self.config),
         )
 
-    def record_capacity_use_max(self, use: torch.Tensor, num_microbatches: int) -> None:
-        """The step's largest rows / capacity on any rank (`use`, the same on every rank) into
-        Megatron's MoE metrics (`CAPACITY_USE_MAX_METRIC`), once per step: scaled by the micro-batch
-        count, which Megatron's report divides by (it averages what each micro-batch recorded)."""
-        if not self.log_metrics or self.layer_number is None:
-            return
-        from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
-
-        get_moe_metrics_tracker().record(
-            CAPACITY_USE_MAX_METRIC, use * num_microbatches, self.layer_number, numbered_layers(self.config)
-        )
-
     def headroom_threshold(self) -> Optional[int]:
         """Rows above which the layer's headroom is thin: half of the padding above the calibrated
         rows used up. None before calibration."""

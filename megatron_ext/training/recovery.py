@@ -54,7 +54,13 @@ import torch
 import torch.distributed as dist
 
 from megatron_ext.capacity import capacity_reciprocal
-from megatron_ext.dispatcher import HybridEPCapacityManager, dispatch_managers, group_device, numbered_layers
+from megatron_ext.dispatcher import (
+    CAPACITY_USE_MAX_METRIC,
+    HybridEPCapacityManager,
+    dispatch_managers,
+    group_device,
+    numbered_layers,
+)
 from megatron_ext.logs import once_per_job
 
 logger = logging.getLogger("megatron_ext.recovery")  # the name its lines had: users may filter by it
@@ -465,10 +471,41 @@ class OverflowRerun:
 def _record_largest_use(managers: list[HybridEPCapacityManager], uses: torch.Tensor, num_microbatches: int) -> None:
     """Each of this rank's layers calibrated before the step records the step's largest rows /
     capacity on any rank (`uses`, on the device: no read; its pipeline stage's layers only:
-    Megatron's report sums the stages')."""
-    for manager in managers:
-        if manager.capacity and manager.layer_number is not None and manager.layer_number <= uses.numel():
-            manager.record_capacity_use_max(uses[manager.layer_number - 1], num_microbatches)
+    Megatron's report sums the stages') into Megatron's `CAPACITY_USE_MAX_METRIC`, scaled by the
+    micro-batch count, which Megatron's report divides by. One launch for the whole model: the
+    metric's values plus `uses` times a mask holding the count at this rank's layers, 0 elsewhere."""
+    numbers = tuple(
+        m.layer_number
+        for m in managers
+        if m.log_metrics and m.capacity and m.layer_number is not None and m.layer_number <= uses.numel()
+    )
+    if not numbers:
+        return
+    from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+
+    tracker = get_moe_metrics_tracker()
+    if CAPACITY_USE_MAX_METRIC not in tracker.metrics:  # made by Megatron's own record, adding 0
+        tracker.record(CAPACITY_USE_MAX_METRIC, torch.zeros((), device=uses.device), numbers[0], uses.numel())
+    values = tracker.metrics[CAPACITY_USE_MAX_METRIC].values
+    if values.shape != uses.shape or values.dtype != uses.dtype or values.device != uses.device:
+        raise RuntimeError(
+            f"megatron-ext: Megatron's MoE metric {CAPACITY_USE_MAX_METRIC!r} holds {values.dtype} "
+            f"{tuple(values.shape)} on {values.device}; expected {uses.dtype} {tuple(uses.shape)} on {uses.device}, "
+            "one value per layer. Leave this metric's name to megatron-ext."
+        )
+    key = (str(uses.device), uses.numel(), numbers, num_microbatches)
+    scale = _USE_SCALES.get(key)
+    if scale is None:
+        if len(_USE_SCALES) > 64:  # capacities that grew leave stale entries behind
+            _USE_SCALES.clear()
+        host = [0.0] * uses.numel()
+        for number in numbers:
+            host[number - 1] = float(num_microbatches)
+        scale = _USE_SCALES[key] = _host_to_device(host, uses.device)
+    values.addcmul_(uses, scale)
+
+
+_USE_SCALES: dict[tuple, torch.Tensor] = {}
 
 
 def _check_rerun_was_eager(managers: list[HybridEPCapacityManager], blocking_before: list[int]) -> None:
