@@ -299,6 +299,8 @@ def test_train_shapes_setup_names_the_stack(monkeypatch):
         "sequence",
         "commit",
     }
+    monkeypatch.setenv("MEGATRON_EXT_COMMIT", "abc1234")  # set where a copy's git metadata lags its files
+    assert train_shapes.setup("te", 8, 4096)["commit"] == "abc1234"
 
 
 def test_train_shapes_without_logs_says_so(tmp_path):

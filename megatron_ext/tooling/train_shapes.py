@@ -25,6 +25,7 @@ import argparse
 import importlib.metadata
 import importlib.util
 import json
+import os
 import re
 import statistics
 import subprocess
@@ -66,12 +67,15 @@ def setup(layers: str, micro_batches: Optional[int], sequence: Optional[int]) ->
     """What ran the runs: this machine's card and packages, and the loop's settings as given."""
     import torch
 
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        commit = None
+    # MEGATRON_EXT_COMMIT first: a copy of a working tree may carry git metadata older than its files.
+    commit = os.environ.get("MEGATRON_EXT_COMMIT")
+    if not commit:
+        try:
+            commit = subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+            ).stdout.strip()
+        except (OSError, subprocess.CalledProcessError):
+            commit = None
     return {
         "card": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
         "megatron_core": _version("megatron-core", "megatron_core"),
