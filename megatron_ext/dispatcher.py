@@ -51,6 +51,7 @@ import torch.distributed as dist
 from megatron.core.transformer.moe.moe_utils import get_align_size_for_quantization
 from megatron.core.transformer.moe.token_dispatcher import MoEFlexTokenDispatcher, MoETokenDispatcher
 
+from megatron_ext import fused
 from megatron_ext.capacity import budget as budgets
 from megatron_ext.capacity import equal_count_padding
 from megatron_ext.capacity.policy import (  # noqa: F401 - the names other modules import from here
@@ -375,6 +376,7 @@ class HybridEPCapacityManager(CapacityPolicy):
         )
         # Consumed: kept past the step, the probs would keep their autograd history (the router's) alive.
         self.token_probs = None
+        fused.forget_offsets(self.tokens_per_expert)  # a non-blocking dispatch's bookkeeping makes them anew
         budget_map = None
         if capacity is None:
             self.stats.blocking_dispatches += 1

@@ -496,3 +496,37 @@ def test_a_layers_dispatch_bookkeeping_is_one_kernel_with_the_torch_paths_result
         with pytest.raises(RuntimeError):
             manager._record_dispatch(handle, dispatches[0], counters)
             torch.cuda.synchronize() if device == "cuda" else None
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_counts_a_buffer_hands_out_again_lose_the_offsets_of_an_earlier_dispatch(gloo_group, monkeypatch, device):
+    """A buffer may return the same counts tensor from every dispatch. A blocking dispatch (which
+    makes no offsets) whose rows equal the earlier capacity must leave no offsets on it: the experts
+    would split its rows by the earlier dispatch's."""
+    from megatron_ext import dispatcher as dispatcher_module
+    from megatron_ext.dispatcher import HybridEPCapacityManager
+    from megatron_ext.options import validate
+    from tests.megatron_env import FLEX, make_config
+
+    config = make_config(1, **FLEX, moe_hybridep_capacity_factor=1.5)
+    manager = HybridEPCapacityManager(gloo_group, 4, 4, config, validate(config), "torch")
+    manager.capacity = 12
+    counts = torch.tensor([3, 0, 5, 1], device=device)  # the buffer's one counts tensor
+    flag = torch.zeros(1, dtype=torch.int32, device=device)
+
+    def dispatch(buffer, hidden, routing_map, probs, *, num_permuted_tokens, **_):
+        rows = 12 if num_permuted_tokens is None else num_permuted_tokens  # blocking: 12 rows, as the capacity
+        return torch.zeros(rows, hidden.shape[1], device=device), None, counts, (None,) * 10 + (flag,)
+
+    monkeypatch.setattr(dispatcher_module.autograd, "dispatch", dispatch)
+    monkeypatch.setattr(manager, "_buffer", lambda hidden, tokens: None)
+    hidden = torch.zeros(8, 16, device=device)
+    routing_map = torch.zeros(8, 4, dtype=torch.bool, device=device)
+    manager.setup_metadata(routing_map, torch.zeros(8, 4, device=device))
+    manager.dispatch(hidden)  # non-blocking at the capacity: offsets made
+    assert torch.equal(fused.attached_offsets(counts, 12), torch.tensor([3, 3, 8, 9], dtype=torch.int32, device=device))
+    manager._inflight = None
+    manager.force_blocking = True
+    manager.setup_metadata(routing_map, torch.zeros(8, 4, device=device))
+    manager.dispatch(hidden)  # blocking, 12 rows
+    assert fused.attached_offsets(counts, 12) is None

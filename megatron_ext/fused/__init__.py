@@ -51,6 +51,7 @@ from megatron_ext.fused.common import (  # noqa: F401 (re-exported: fused.enable
 from megatron_ext.fused.counters import (  # noqa: F401 (re-exported: the capacity policy and the experts)
     attach_offsets,
     attached_offsets,
+    forget_offsets,
     record_dispatch,
 )
 from megatron_ext.fused.layout import Layout, block_counts, dispatch_layout  # noqa: F401 (re-exported: callers)

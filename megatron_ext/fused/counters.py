@@ -139,6 +139,13 @@ def attach_offsets(tokens_per_expert: torch.Tensor, rows: int, offsets: torch.Te
     setattr(tokens_per_expert, _OFFSETS, (rows, offsets))
 
 
+def forget_offsets(tokens_per_expert: torch.Tensor) -> None:
+    """Drop offsets kept on these counts: a buffer may hand out the same counts tensor again, refilled
+    by a dispatch that made no offsets (a blocking one), whose rows could equal the earlier capacity."""
+    if hasattr(tokens_per_expert, _OFFSETS):
+        delattr(tokens_per_expert, _OFFSETS)
+
+
 def attached_offsets(tokens_per_expert: torch.Tensor, rows: int) -> Optional[torch.Tensor]:
     """The offsets `attach_offsets` kept on these counts for `rows` rows, or None."""
     kept = getattr(tokens_per_expert, _OFFSETS, None)
