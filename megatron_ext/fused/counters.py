@@ -4,7 +4,7 @@ After a capacity-mode dispatch the layer's device counters learn what it did: wh
 (added to the overflow count), how many rows it filled (a running maximum), with expert budgets the
 most rows one expert received (a running maximum), and, when Megatron's MoE metrics are logged, the
 rows over the capacity added into the layer's entry of Megatron's metric tensor. As separate torch
-ops that is five to seven launches per dispatch, each a few microseconds of the host's time in an
+ops that is six to eight launches per dispatch, each a few microseconds of the host's time in an
 eager step the host already bounds; here it is one, and it writes a flag that is 1 when the dispatch
 did not overflow, for the caller's `torch._assert_async`. It can also write the experts' offsets
 (the inclusive cumulative rows per expert that grouped GEMMs take), which the experts would
