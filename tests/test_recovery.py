@@ -878,3 +878,19 @@ def test_the_steps_largest_use_goes_to_megatrons_metric_in_one_launch_for_this_r
     expected = torch.zeros(6)
     expected[[1, 2]] = uses[[1, 2]] * 6  # bit for bit the product torch rounds
     assert torch.equal(values, expected)
+
+
+def test_a_metric_entry_that_does_not_fit_megatron_exts_kernels_is_refused_by_name():
+    """The metric values megatron-ext adds into in place are made by Megatron's `record` when missing
+    (zeros, one per layer); an entry of another size or dtype under the name is refused, naming it."""
+    from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+
+    from megatron_ext.capacity.policy import megatron_metric_values
+
+    tracker = get_moe_metrics_tracker()
+    made = megatron_metric_values("megatron_ext_test_metric", torch.device("cpu"), 3)
+    assert torch.equal(made, torch.zeros(3)) and tracker.metrics["megatron_ext_test_metric"].values is made
+    assert megatron_metric_values("megatron_ext_test_metric", torch.device("cpu"), 3) is made  # kept, not remade
+    with pytest.raises(RuntimeError, match="'megatron_ext_test_metric' holds .* expected float32 values of its 4"):
+        megatron_metric_values("megatron_ext_test_metric", torch.device("cpu"), 4)
+    tracker.metrics.pop("megatron_ext_test_metric")

@@ -95,6 +95,32 @@ def numbered_layers(config: Any) -> int:
     return config.num_layers + (getattr(config, "mtp_num_layers", None) or 0)
 
 
+def megatron_metric_values(name: str, device: torch.device, num_layers: int) -> torch.Tensor:
+    """The per-layer values of Megatron's MoE metric `name` (one float32 per numbered layer, on
+    `device`), for a kernel to add into in place. A missing entry is made by Megatron's own `record`
+    (adding 0 to layer 1); an entry that does not fit is refused, naming it."""
+    from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+
+    tracker = get_moe_metrics_tracker()
+    entry = tracker.metrics.get(name)
+    if entry is None:
+        tracker.record(name, torch.zeros((), device=device), 1, num_layers)
+        entry = tracker.metrics[name]
+    values = entry.values
+    if not (
+        values.dtype == torch.float32
+        and values.device == device
+        and values.is_contiguous()
+        and values.numel() == num_layers
+    ):
+        raise RuntimeError(
+            f"megatron-ext: Megatron's MoE metric {name!r} holds {values.dtype} {tuple(values.shape)} on "
+            f"{values.device}; expected float32 values of its {num_layers} layers on {device}. Leave this "
+            "metric's name to megatron-ext."
+        )
+    return values
+
+
 def device_message(text: str) -> str:
     """`text` cut to what a CUDA device-side assert carries (fewer than 255 characters)."""
     return text if len(text) < DEVICE_MESSAGE_LIMIT else text[: DEVICE_MESSAGE_LIMIT - 4] + "..."
@@ -275,30 +301,10 @@ class CapacityPolicy:
     def _capacity_use_values(self, device: torch.device) -> Optional[torch.Tensor]:
         """Megatron's per-layer values of `CAPACITY_USE_METRIC` for the fused bookkeeping to add this
         layer's use into (what `record` would add to), or None when no use is recorded. The entry is
-        made by Megatron's own `record` the first time (adding 0)."""
+        made by Megatron's own `record` the first time (adding 0): `megatron_metric_values`."""
         if not self.log_metrics or self.layer_number is None or in_backward():  # a recompute replay: counted once
             return None
-        from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
-
-        tracker = get_moe_metrics_tracker()
-        entry = tracker.metrics.get(CAPACITY_USE_METRIC)
-        if entry is None:
-            layers = numbered_layers(self.config)
-            tracker.record(CAPACITY_USE_METRIC, torch.zeros((), device=device), self.layer_number, layers)
-            entry = tracker.metrics[CAPACITY_USE_METRIC]
-        values = entry.values
-        if not (
-            values.dtype == torch.float32
-            and values.device == device
-            and values.is_contiguous()
-            and values.numel() >= self.layer_number
-        ):
-            raise RuntimeError(
-                f"megatron-ext: Megatron's MoE metric {CAPACITY_USE_METRIC!r} holds {values.dtype} "
-                f"{tuple(values.shape)} on {values.device}; expected float32 values of every layer on {device}. "
-                "Leave this metric's name to megatron-ext."
-            )
-        return values
+        return megatron_metric_values(CAPACITY_USE_METRIC, device, numbered_layers(self.config))
 
     def _record_capacity_use(self, rows: torch.Tensor) -> None:
         """Rows / capacity of this forward dispatch (`capacity_reciprocal`'s product) into Megatron's

@@ -54,6 +54,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ext.capacity import capacity_reciprocal
+from megatron_ext.capacity.policy import megatron_metric_values
 from megatron_ext.dispatcher import (
     CAPACITY_USE_MAX_METRIC,
     HybridEPCapacityManager,
@@ -481,18 +482,7 @@ def _record_largest_use(managers: list[HybridEPCapacityManager], uses: torch.Ten
     )
     if not numbers:
         return
-    from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
-
-    tracker = get_moe_metrics_tracker()
-    if CAPACITY_USE_MAX_METRIC not in tracker.metrics:  # made by Megatron's own record, adding 0
-        tracker.record(CAPACITY_USE_MAX_METRIC, torch.zeros((), device=uses.device), numbers[0], uses.numel())
-    values = tracker.metrics[CAPACITY_USE_MAX_METRIC].values
-    if values.shape != uses.shape or values.dtype != uses.dtype or values.device != uses.device:
-        raise RuntimeError(
-            f"megatron-ext: Megatron's MoE metric {CAPACITY_USE_MAX_METRIC!r} holds {values.dtype} "
-            f"{tuple(values.shape)} on {values.device}; expected {uses.dtype} {tuple(uses.shape)} on {uses.device}, "
-            "one value per layer. Leave this metric's name to megatron-ext."
-        )
+    values = megatron_metric_values(CAPACITY_USE_MAX_METRIC, uses.device, uses.numel())
     key = (str(uses.device), uses.numel(), numbers, num_microbatches)
     scale = _USE_SCALES.get(key)
     if scale is None:
