@@ -237,6 +237,88 @@ def test_offsets_a_dispatch_attached_to_its_counts_are_used_for_its_rows_only(pg
     assert torch.equal(module(x[: rows - 1], carrying, probs[: rows - 1])[0][:real], as_counted)  # not for P - 1
 
 
+def _under_megatron_ddp(module) -> list:
+    """The module's parameters as Megatron's DDP leaves them: an fp32 `main_grad` (zeros),
+    `grad_added_to_main_grad` False, and DDP's own backward hook on autograd's accumulation, bound
+    to a stand-in with no bucket communication (overlap_grad_reduce off). Returns the accumulation
+    nodes (the hooks live as long as they do)."""
+    from types import SimpleNamespace
+
+    from megatron.core.distributed import DistributedDataParallel
+
+    ddp = SimpleNamespace(param_to_bucket_group={}, ddp_config=SimpleNamespace(overlap_grad_reduce=False))
+    nodes = []
+    for param in module.parameters():
+        param.main_grad = torch.zeros(param.shape, dtype=torch.float32, device=param.device)
+        param.grad_added_to_main_grad = False
+        ddp.param_to_bucket_group[param] = None
+        node = param.expand_as(param).grad_fn.next_functions[0][0]
+        node.register_hook(DistributedDataParallel._make_backward_post_hook(ddp, param))
+        nodes.append(node)
+    return nodes
+
+
+@pytest.mark.parametrize("cfg", [CASES[2], CASES[4]])
+def test_under_megatron_ddp_the_backward_adds_the_gradients_into_main_grad(pg, cfg):
+    """Two micro-batches under Megatron's DDP hook: each parameter's main_grad is bitwise the fp32
+    sum the hook alone makes of the plain module's gradients, added once; the backward made the
+    additions (the parameters say so, and carry TE's mark that their returned gradients need no
+    copy), and DDP's hook left `.grad` empty. Both paths: the fused one under Triton's interpreter."""
+    plain, under_ddp = _experts(pg, **cfg), _experts(pg, **cfg)
+    nodes = _under_megatron_ddp(under_ddp)
+    expected = {n: torch.zeros(p.shape, dtype=torch.float32) for n, p in plain.named_parameters()}
+    for micro_batch in range(2):
+        x, counts, probs = _inputs(cfg["dtype"], seed=10 + micro_batch)
+        grad = _output_grad(x, sum(COUNTS), seed=20 + micro_batch)
+        _run(plain, x, counts, probs, grad)
+        for name, param in plain.named_parameters():
+            expected[name].add_(param.grad)
+        for param in under_ddp.parameters():
+            param.grad_added_to_main_grad = False  # as DDP's zero_grad_buffer leaves it each step
+        x_in, probs_in = x.clone().requires_grad_(), probs.clone().requires_grad_()
+        under_ddp(x_in, counts, probs_in)[0].backward(grad)
+    assert nodes
+    for name, param in under_ddp.named_parameters():
+        assert torch.equal(param.main_grad, expected[name]), name
+        assert param.grad is None and param.grad_added_to_main_grad and param.skip_backward_post_hook, name
+
+
+def test_the_backward_adds_into_main_grad_itself_and_only_under_megatron_ddps_convention(pg):
+    """Without DDP's hook the gradient is in main_grad after the backward (the experts added it);
+    a main_grad without DDP's flag, or one Megatron-FSDP fetches (`get_main_grad`), or a
+    forward without autograd leaves the ordinary path: `.grad`, main_grad untouched, no mark."""
+    module = _experts(pg, dtype=torch.bfloat16)
+    x, counts, probs = _inputs(torch.bfloat16)
+    grad = _output_grad(x, sum(COUNTS))
+    _run(module, x, counts, probs, grad)
+    plain = {n: p.grad.float() for n, p in module.named_parameters()}
+    for param in module.parameters():
+        param.grad = None
+        param.main_grad = torch.zeros(param.shape, dtype=torch.float32)
+        param.grad_added_to_main_grad = False
+    module(x, counts, probs)[0].backward(grad)
+    for name, param in module.named_parameters():
+        assert torch.equal(param.main_grad, plain[name]) and param.grad_added_to_main_grad, name
+
+    for unlike_ddp in ("no flag", "fsdp", "no grad"):
+        module = _experts(pg, dtype=torch.bfloat16)
+        for param in module.parameters():
+            param.main_grad = torch.zeros(param.shape, dtype=torch.float32)
+            if unlike_ddp != "no flag":
+                param.grad_added_to_main_grad = False
+            if unlike_ddp == "fsdp":
+                param.get_main_grad = lambda: None
+        if unlike_ddp == "no grad":
+            with torch.no_grad():
+                module(x, counts, probs)
+        else:
+            _run(module, x, counts, probs, grad)
+        for name, param in module.named_parameters():
+            assert not param.main_grad.any() and not hasattr(param, "skip_backward_post_hook"), (unlike_ddp, name)
+            if unlike_ddp != "no grad":
+                assert torch.equal(param.grad.float(), plain[name]), (unlike_ddp, name)
+
+
 def test_default_process_groups(pg):
     """pg_collection=None takes Megatron's default MoE groups (parallel_state)."""
     from megatron.core import parallel_state

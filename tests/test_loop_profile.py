@@ -57,6 +57,52 @@ def test_summarize_counts_host_steps_and_the_union_of_gpu_work():
     assert [k["ms"] for k in s["kernels"]] == sorted((k["ms"] for k in s["kernels"]), reverse=True)
 
 
+def test_copies_are_grouped_by_size_and_by_the_host_ops_that_issued_them():
+    def copy(ts, mib, corr):
+        event = _x("gpu_memcpy", "Memcpy DtoD (Device -> Device)", ts, 20, tid=7)
+        return {**event, "args": {"bytes": mib * 2**20, "correlation": corr}}
+
+    def call(name, ts, corr, tid=2):
+        return {**_x("cuda_runtime", name, ts, 1, tid=tid), "args": {"correlation": corr}}
+
+    events = []
+    for i in range(2):
+        t = i * 1000.0
+        events += [
+            _x("user_annotation", f"ProfilerStep#{i}", t, 1000),
+            # autograd's thread: a node whose clone copies 64 MiB twice, each inside aten::copy_
+            _x("cpu_op", "autograd::engine::evaluate_function: AccumulateGrad", t + 10, 100, tid=2),
+            _x("cpu_op", "aten::clone", t + 20, 30, tid=2),
+            _x("cpu_op", "aten::copy_", t + 25, 10, tid=2),
+            call("cudaMemcpyAsync", t + 30, 10 * i + 1),
+            _x("cpu_op", "aten::clone", t + 60, 30, tid=2),
+            _x("cpu_op", "aten::copy_", t + 65, 10, tid=2),
+            call("cudaMemcpyAsync", t + 70, 10 * i + 2),
+            copy(t + 300, 64, 10 * i + 1),
+            copy(t + 330, 64, 10 * i + 2),
+            # the main thread: a graph replay holding a 1 MiB copy; a copy no call is known for
+            _x("cpu_op", "GraphedBackward", t + 200, 50, tid=1),
+            call("cudaGraphLaunch", t + 210, 10 * i + 3, tid=1),
+            copy(t + 400, 1, 10 * i + 3),
+            copy(t + 450, 2, 999 + i),
+        ]
+    copies = loop_profile.summarize(events)["copies"]
+    assert copies[0] == {
+        "kind": "Memcpy DtoD",
+        "mib": 64.0,
+        "issued_by": "cudaMemcpyAsync",
+        "ops": "autograd::engine::evaluate_function: AccumulateGrad > aten::copy_",
+        "calls": 2,
+        "ms": pytest.approx(0.040),
+    }
+    rest = {(c["mib"], c["issued_by"], c["ops"]): c["calls"] for c in copies[1:]}
+    assert rest == {(1.0, "cudaGraphLaunch", "GraphedBackward"): 1, (2.0, "", ""): 1}
+    table = loop_profile.markdown(loop_profile.summarize(events))
+    ops = "autograd::engine::evaluate_function: AccumulateGrad > aten::copy_"
+    row = f"| Memcpy DtoD | 64.0 | cudaMemcpyAsync | {ops} | 2 |"
+    assert row in table
+
+
 def test_gpu_idle_is_split_where_the_host_ends_forward_and_backward():
     events = [
         _x("user_annotation", "ProfilerStep#3", 0, 10_000),

@@ -46,6 +46,7 @@ from megatron.core.utils import get_pg_size
 
 from megatron_ext import fused
 from megatron_ext.experts import checkpoint as experts_checkpoint
+from megatron_ext.experts import main_grad
 from megatron_ext.experts.activation_recompute import ActivationRecompute
 from megatron_ext.options import CAPACITY_FACTOR_FLAG, GROUPED_MLP_WAYS_AROUND
 
@@ -84,17 +85,20 @@ class _FusedExperts(torch.autograd.Function):
     input rows (the dispatch's own tensor, not a copy), the fc1 output and the probs; the
     activation's output is recomputed in the backward (one cheap pass), so a capacity of C rows
     keeps [C, H] + [C, fc1 width] per layer and nothing in float32. Rows >= n of the output and of
-    the input gradient are left unwritten.
+    the input gradient are left unwritten. `into` says, per weight, whether the backward adds its
+    gradient into Megatron's main_grad (`megatron_ext.experts.main_grad`).
     """
 
     @staticmethod
-    def forward(ctx, x, probs, w1, w2, offsets, gated, activation):
+    def forward(ctx, x, probs, w1, w2, offsets, gated, activation, into):
         n = offsets[-1:]
         h = F.grouped_mm(x, w1.transpose(1, 2), offs=offsets)
         act = fused.activation_probs(h, probs, n, gated=gated, activation=activation)
         out = F.grouped_mm(act, w2.transpose(1, 2), offs=offsets)
         ctx.save_for_backward(x, h, probs, w1, w2, offsets)
         ctx.gated, ctx.activation = gated, activation
+        # The parameters themselves (not their saved copies) whose gradients go into main_grad.
+        ctx.main_grad_of = tuple(w if added else None for w, added in zip((w1, w2), into))
         return out
 
     @staticmethod
@@ -113,7 +117,10 @@ class _FusedExperts(torch.autograd.Function):
         del grad_act
         grad_w1 = F.grouped_mm(grad_h.t(), x, offs=offsets)
         grad_x = F.grouped_mm(grad_h, w1, offs=offsets)
-        return grad_x, grad_probs.to(probs.dtype), grad_w1, grad_w2, None, None, None
+        for param, grad in zip(ctx.main_grad_of, (grad_w1, grad_w2)):
+            if param is not None:
+                main_grad.add_into_main_grad(param, grad)
+        return grad_x, grad_probs.to(probs.dtype), grad_w1, grad_w2, None, None, None, None
 
 
 class _ExpertLinear(torch.nn.Module):
@@ -299,32 +306,35 @@ class GroupedMLP(MegatronModule):
         offsets = fused.attached_offsets(tokens_per_expert, rows)
         if offsets is None:
             offsets = torch.cumsum(tokens_per_expert.to(x.device), 0, dtype=torch.int32).clamp_(max=rows)
+        # Under Megatron's DDP the backward adds the parameters' gradients into their main_grad
+        # itself (`megatron_ext.experts.main_grad`), which spares TE's per-layer graphs a copy of each.
+        w1, w2 = self.linear_fc1.weight, self.linear_fc2.weight
         if self._fused_activation is not None and fused.enabled_for(x):
             gated, activation = self._fused_activation
-            out = _FusedExperts.apply(
-                x, permuted_probs, self.linear_fc1.weight, self.linear_fc2.weight, offsets, gated, activation
-            )
-            return out, None
+            into = (main_grad.accumulates(w1), main_grad.accumulates(w2))
+            return _FusedExperts.apply(x, permuted_probs, w1, w2, offsets, gated, activation, into), None
+        w1, w2 = main_grad.into_main_grad(w1), main_grad.into_main_grad(w2)
         row_ids = torch.arange(rows, device=x.device, dtype=torch.int32)
         real = (row_ids < offsets[-1]).unsqueeze(-1)  # [P, 1]
         # grouped_mm leaves rows past offsets[-1] uninitialised and returns garbage gradients for
         # them: zero the inputs there (their gradients go through where(), hence exactly zero) ...
         x = torch.where(real, x, 0)
         probs = torch.where(real, permuted_probs.unsqueeze(-1), 0)
-        if self.linear_fc1.bias is not None:
+        b1, b2 = (b if b is None else main_grad.into_main_grad(b) for b in (self.linear_fc1.bias, self.linear_fc2.bias))
+        if b1 is not None:
             # Each row's expert; padding rows get L and gather an appended zero row, so that their
             # garbage gradients land in that row and are dropped.
             expert = torch.bucketize(row_ids, offsets, right=True)
-        h = F.grouped_mm(x, self.linear_fc1.weight.transpose(1, 2), offs=offsets)
-        if self.linear_fc1.bias is not None:
-            h = h + F.pad(self.linear_fc1.bias, (0, 0, 0, 1))[expert]
+        h = F.grouped_mm(x, w1.transpose(1, 2), offs=offsets)
+        if b1 is not None:
+            h = h + F.pad(b1, (0, 0, 0, 1))[expert]
         recompute = ActivationRecompute() if self.activation_recompute else None
         h = recompute(self._activation, h, probs) if recompute else self._activation(h, probs)
-        out = F.grouped_mm(h, self.linear_fc2.weight.transpose(1, 2), offs=offsets)
+        out = F.grouped_mm(h, w2.transpose(1, 2), offs=offsets)
         if recompute:
             recompute.release(out)
-        if self.linear_fc2.bias is not None:  # TEGroupedMLP adds the fc2 bias weighted by the probs
-            out = (out + F.pad(self.linear_fc2.bias, (0, 0, 0, 1))[expert] * probs).to(dtype)
+        if b2 is not None:  # TEGroupedMLP adds the fc2 bias weighted by the probs
+            out = (out + F.pad(b2, (0, 0, 0, 1))[expert] * probs).to(dtype)
         # ... and the outputs there, which grouped_mm did not write.
         return torch.where(real, out, 0), None
 

@@ -16,6 +16,10 @@ opened by a `ProfilerStep#` annotation. `summarize(trace)` reads one into per-it
   the host sets the pace, these are larger than in an unprofiled iteration,
 * `kernels`: per kernel name, its category, calls and milliseconds per iteration, largest first;
   `categories`: the same summed by category (`CATEGORIES`, from the kernel's name),
+* `copies`: the GPU's memory copies grouped by kind, size (MiB), the host call that issued them
+  (`cudaMemcpyAsync`, or `cudaGraphLaunch` for a copy inside a graph) and the host ops around that
+  call (outermost > innermost, e.g. autograd's node > `aten::copy_`): calls and ms per iteration,
+  largest first. A copy's op names who made it, which a kernel table cannot,
 * `host` (only for a trace with Python call stacks: Megatron's `--pytorch-profiler-collect-callstack`):
   the host's Python time per iteration by the package that spends it (`host_packages`: a frame's
   own time goes to its package, or, for torch's and Python's frames, to the nearest caller's; threads
@@ -217,6 +221,66 @@ def host_time(events: list[dict[str, Any]], steps: list[dict[str, Any]]) -> dict
     }
 
 
+def _enclosing_ops(ops: list[dict[str, Any]], queries: list[tuple[Any, float, Any]]) -> dict[Any, str]:
+    """For each (thread, time, key) query, the host ops that enclose that time on that thread, as
+    "outermost > innermost" ("" where none). Ops on one thread nest, so one sweep per thread keeps
+    the open ones on a stack."""
+    by_thread: dict[Any, list[dict[str, Any]]] = defaultdict(list)
+    for e in ops:
+        by_thread[(e.get("pid"), e.get("tid"))].append(e)
+    found: dict[Any, str] = {}
+    asked: dict[Any, list[tuple[float, Any]]] = defaultdict(list)
+    for thread, t, key in queries:
+        asked[thread].append((t, key))
+    for thread, wanted in asked.items():
+        started = sorted(by_thread.get(thread, []), key=lambda e: (float(e["ts"]), -float(e["dur"])))
+        stack: list[tuple[float, str]] = []  # (end, name) of the ops open at the cursor
+        i = 0
+        for t, key in sorted(wanted, key=lambda q: q[0]):
+            while i < len(started) and float(started[i]["ts"]) <= t:
+                e = started[i]
+                while stack and stack[-1][0] < float(e["ts"]):
+                    stack.pop()
+                stack.append((float(e["ts"]) + float(e["dur"]), str(e["name"])))
+                i += 1
+            while stack and stack[-1][0] < t:
+                stack.pop()
+            names = [name for end, name in stack if end >= t]
+            found[key] = names[0] if len(names) == 1 else f"{names[0]} > {names[-1]}" if names else ""
+    return found
+
+
+def _copies(
+    copies: list[dict[str, Any]], runtime: list[dict[str, Any]], ops: list[dict[str, Any]], iterations: int
+) -> list[dict[str, Any]]:
+    """The `copies` figure (see the module's docstring) of the trace's gpu_memcpy events."""
+    issued = {e["args"]["correlation"]: e for e in runtime if "correlation" in e.get("args", {})}
+    launches = {}
+    for n, c in enumerate(copies):
+        call = issued.get(c.get("args", {}).get("correlation"))
+        if call is not None:
+            launches[n] = call
+    around = _enclosing_ops(ops, [((e.get("pid"), e.get("tid")), float(e["ts"]), n) for n, e in launches.items()])
+    groups: dict[tuple[str, float, str, str], list[float]] = defaultdict(lambda: [0, 0.0])
+    for n, c in enumerate(copies):
+        call = launches.get(n)
+        key = (
+            str(c["name"]).split(" (")[0],
+            round(float(c.get("args", {}).get("bytes", 0)) / 2**20, 1),
+            str(call["name"]) if call is not None else "",
+            around.get(n, ""),
+        )
+        groups[key][0] += 1
+        groups[key][1] += float(c["dur"]) / 1e3
+    return sorted(
+        (
+            {"kind": kind, "mib": mib, "issued_by": by, "ops": where, "calls": n / iterations, "ms": ms / iterations}
+            for (kind, mib, by, where), (n, ms) in groups.items()
+        ),
+        key=lambda g: -g["ms"],
+    )
+
+
 def load(path: Path) -> list[dict[str, Any]]:
     opener = gzip.open if str(path).endswith(".gz") else open
     with opener(path, "rt") as f:
@@ -259,6 +323,14 @@ def summarize(events: list[dict[str, Any]]) -> dict[str, Any]:
         c["calls"] += k["calls"]
         c["ms"] += k["ms"]
     marks = [e for e in events if e.get("ph") == "X" and FORWARD_BACKWARD.match(str(e.get("name", "")))]
+    ops = [
+        e
+        for e in events
+        if e.get("ph") == "X"
+        and e.get("cat") in ("cpu_op", "user_annotation")
+        and not STEP.match(str(e.get("name", "")))
+    ]
+    copies = _copies([e for e in gpu if e.get("cat") == "gpu_memcpy"], runtime, ops, iterations)
     idle_before, idle_after = _idle_split(steps, gpu, marks)
     host = host_time(events, steps)
     return {
@@ -272,6 +344,7 @@ def summarize(events: list[dict[str, Any]]) -> dict[str, Any]:
         "launches": launches / iterations,
         "categories": dict(sorted(categories.items(), key=lambda kv: -kv[1]["ms"])),
         "kernels": kernels,
+        "copies": copies,
         **({"host": host} if host is not None else {}),
     }
 
@@ -296,6 +369,16 @@ def markdown(summary: dict[str, Any], top: int = 15) -> str:
             for k in summary["kernels"][:top]
         ),
     ]
+    if summary.get("copies"):
+        lines += [
+            "",
+            "| copy | MiB | issued by | host ops (outermost > innermost) | calls/iteration | GPU ms/iteration |",
+            "| --- | --- | --- | --- | --- | --- |",
+            *(
+                f"| {c['kind']} | {c['mib']:.1f} | {c['issued_by']} | {c['ops']} | {c['calls']:.0f} | {c['ms']:.3f} |"
+                for c in summary["copies"][:top]
+            ),
+        ]
     host = summary.get("host")
     if host is not None:
         lines += [
