@@ -275,6 +275,25 @@ def test_train_shapes_compares_runs_over_the_iterations_before_the_profile(tmp_p
     assert "host Python ms" not in text  # no call stacks recorded
 
 
+def test_train_shapes_prints_a_records_tables_again_from_its_json(tmp_path, capsys):
+    """`--from-json` prints what the run printed, from the JSON record alone; it takes no directory."""
+    losses = [f"{10 - i * 0.1:.6E}" for i in range(4)]
+    _write_run(tmp_path, "s", "blocking", _log([100.0] * 4, losses, 2048), 1, _trace())
+    _write_run(tmp_path, "s", "capacity-eager", _log([90.0] * 4, losses[:3] + ["1.0E+00"], 2048), 2)
+    (tmp_path / "train-s-megatron-budget.skipped").write_text("needs deep_ep")
+    record = tmp_path / "record.json"
+    runs = ["--runs", "blocking", "capacity-eager", "megatron-budget"]
+    assert train_shapes.main([str(tmp_path), "s", "--profile-start", "3", *runs, "--json", str(record)]) == 0
+    printed = capsys.readouterr().out
+    assert "skipped megatron-budget: needs deep_ep" in printed and "| elementwise |" in printed
+    assert train_shapes.main(["--from-json", str(record)]) == 0
+    assert capsys.readouterr().out == printed
+    for argv in (["--from-json", str(record), str(tmp_path), "s"], ["--from-json", str(tmp_path / "none.json")], []):
+        with pytest.raises(SystemExit):
+            train_shapes.main(argv)
+    assert "--from-json" in capsys.readouterr().err
+
+
 def test_train_shapes_lists_host_time_by_package_for_traces_with_call_stacks(tmp_path):
     trace = _trace(1) + [
         _frame("megatron/core/schedules.py(1): forward_step", 0, 800, 1, None),

@@ -173,9 +173,29 @@ def report(
         raise FileNotFoundError(f"no train-{shape}-{(missing or ['*'])[0]}.log in {directory}")
     records = {name: run_record(directory, shape, name, profile_start) for name in names}
     reference = records.get(REFERENCE)
-    stock = records.get(STOCK)
     for name, r in records.items():
         r["losses"] = compare(reference and reference["iterations"], name, r["iterations"])
+    record = {
+        "setup": run_setup,
+        "shape": shape,
+        "profile_start": profile_start,
+        "skip_iterations": SKIP_ITERS,
+        "runs": {
+            name: {k: v for k, v in r.items() if k != "iterations"}
+            | {"iterations_logged": len(r["iterations"])}
+            | {key.replace(" ", "_"): _series(r["iterations"], key) for key in ("lm loss", "grad norm")}
+            for name, r in records.items()
+        }
+        | {name: {"run": name, "status": "skipped", "why": why} for name, why in skipped.items()},
+    }
+    return markdown(record), record
+
+
+def markdown(record: dict[str, Any]) -> str:
+    """The markdown tables of a record (`report`'s, or one read back from its JSON)."""
+    runs = {name: r for name, r in record["runs"].items() if r.get("status") != "skipped"}
+    skipped = {name: r["why"] for name, r in record["runs"].items() if r.get("status") == "skipped"}
+    reference, stock = runs.get(REFERENCE), runs.get(STOCK)
     yardstick = stock and stock["losses"]
     lines = [
         f"| run | iterations | losses, grad norms against {REFERENCE} | ms/iteration | tokens/s | GPU busy "
@@ -183,18 +203,19 @@ def report(
         "| against stock | memory against blocking |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
-    for name, r in records.items():
+    for name, r in runs.items():
         same = _losses_cell(r["losses"], yardstick)
         p = r["profile"]
         busy = p["gpu_busy_ms"] if p else None
         lines.append(
-            f"| {name} | {len(r['iterations'])} | {same} | {_num(r['ms'], '.1f')} | {_num(r['tokens_per_s'], ',.0f')} "
+            f"| {name} | {r['iterations_logged']} | {same} | {_num(r['ms'], '.1f')} "
+            f"| {_num(r['tokens_per_s'], ',.0f')} "
             f"| {_num(busy, '.1f')} | {_ratio(r['ms'], busy)} | {_num(p and p['host_waits'], '.0f')} "
             f"| {_num(r['peak_mib'] and r['peak_mib'] / 1024, '.1f')} "
             f"| {_ratio(r['ms'], reference and reference['ms'])} | {_ratio(r['ms'], stock and stock['ms'])} "
             f"| {_ratio(r['peak_mib'], reference and reference['peak_mib'])} |"
         )
-    profiled = {name: r["profile"] for name, r in records.items() if r["profile"]}
+    profiled = {name: r["profile"] for name, r in runs.items() if r["profile"]}
     if profiled:
         categories = list(dict.fromkeys(c for p in profiled.values() for c in p["categories"]))
         lines += [
@@ -239,20 +260,7 @@ def report(
                 ]
                 lines.append(f"| host Python ms (with call stacks): {package} | " + " | ".join(cells) + " |")
     lines += [f"\nskipped {name}: {why}" for name, why in skipped.items()]
-    record = {
-        "setup": run_setup,
-        "shape": shape,
-        "profile_start": profile_start,
-        "skip_iterations": SKIP_ITERS,
-        "runs": {
-            name: {k: v for k, v in r.items() if k != "iterations"}
-            | {"iterations_logged": len(r["iterations"])}
-            | {key.replace(" ", "_"): _series(r["iterations"], key) for key in ("lm loss", "grad norm")}
-            for name, r in records.items()
-        }
-        | {name: {"run": name, "status": "skipped", "why": why} for name, why in skipped.items()},
-    }
-    return "\n".join(lines), record
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -260,8 +268,11 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m megatron_ext.tooling.train_shapes",
         description="One shape's training runs (.ci/gpu-suite train-shapes) side by side: a markdown table.",
     )
-    parser.add_argument("directory", type=Path, help="where the runs' logs and traces are")
-    parser.add_argument("shape", help="the shape's name, as in the logs' names (train-SHAPE-RUN.log)")
+    parser.add_argument("directory", type=Path, nargs="?", help="where the runs' logs and traces are")
+    parser.add_argument("shape", nargs="?", help="the shape's name, as in the logs' names (train-SHAPE-RUN.log)")
+    parser.add_argument(
+        "--from-json", type=Path, default=None, help="print the tables of a record this wrote (--json) instead"
+    )
     parser.add_argument(
         "--profile-start", type=int, default=None, help="the first profiled iteration: the median stops before it"
     )
@@ -271,6 +282,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--micro-batches", type=int, default=None, help="micro-batches a step, for the setup record")
     parser.add_argument("--sequence", type=int, default=None, help="sequence length, for the setup record")
     args = parser.parse_args(argv)
+    if args.from_json is not None:
+        if args.directory is not None or args.json is not None:
+            parser.error("--from-json prints a record's tables: give no DIR, SHAPE or --json with it")
+        if not args.from_json.is_file():
+            parser.error(f"--from-json: no such record: {args.from_json}")
+        print(markdown(json.loads(args.from_json.read_text())))
+        return 0
+    if args.directory is None or args.shape is None:
+        parser.error("give DIR and SHAPE (or --from-json RECORD)")
     try:
         text, record = report(
             args.directory,
