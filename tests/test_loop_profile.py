@@ -294,6 +294,43 @@ def test_train_shapes_prints_a_records_tables_again_from_its_json(tmp_path, caps
     assert "--from-json" in capsys.readouterr().err
 
 
+def test_the_gpu_harness_tables_runs_made_by_earlier_calls_without_running_any(tmp_path):
+    """`TABLE_ONLY=1 .ci/gpu-suite train-shapes SHAPE`: the table of the runs already in $OUT, in the
+    harness's order, named by MEGATRON_EXT_COMMIT; nothing trains (no GPU here: a run would fail)."""
+    import subprocess
+    import sys
+
+    for run, ms in (("capacity-eager", 90.0), ("blocking", 100.0)):
+        _write_run(tmp_path, "qwen3-30b-a3b-e64", run, _log([ms] * 30, ["1.0E+00"] * 30, 1024), 1)
+    env = dict(
+        os.environ, OUT=str(tmp_path), TABLE_ONLY="1", ITERS="30", PYTHON=sys.executable, MEGATRON_EXT_COMMIT="abc1234"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run(
+        ["bash", ".ci/gpu-suite", "train-shapes", "qwen3-30b-a3b-e64"],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert "=== train-shapes" not in done.stdout, done.stdout  # no run started
+    rows = [
+        line.split("|")[1].strip() for line in done.stdout.splitlines() if line.startswith("| ") and "---" not in line
+    ]
+    assert rows == ["run", "blocking", "capacity-eager"]  # the harness's order, not the logs'
+    record = json.loads((tmp_path / "train-shapes-qwen3-30b-a3b-e64.json").read_text())
+    assert record["setup"]["commit"] == "abc1234" and record["runs"]["capacity-eager"]["ms"] == 90.0
+    env["OUT"] = str(tmp_path / "empty")
+    nothing = subprocess.run(
+        ["bash", ".ci/gpu-suite", "train-shapes", "qwen3-30b-a3b-e64"],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert nothing.returncode == 2 and "TABLE_ONLY=1: no run of qwen3-30b-a3b-e64" in nothing.stderr
+
+
 def test_train_shapes_lists_host_time_by_package_for_traces_with_call_stacks(tmp_path):
     trace = _trace(1) + [
         _frame("megatron/core/schedules.py(1): forward_step", 0, 800, 1, None),
