@@ -19,9 +19,10 @@
 # the logged losses should match those of MODE=capacity (the default).
 #
 # Env: GPUS (default 8: the process count and the expert-parallel size; 64 must divide by it),
-# MODE=capacity|blocking|stock, PRECISION=bf16|fp16 (default bf16: passes --bf16 or --fp16), PYTHON
-# (default: the checkout's .venv/bin/python where it exists, else python), DRY_RUN=1 (check the
-# flags with Megatron's parser on any machine, no GPU: pretrain_moe.py --megatron-ext-dry-run).
+# MODE=capacity|blocking|stock, PRECISION=bf16|fp16 (default bf16: passes --bf16 or --fp16),
+# LAYERS, GRAPHS (modes.sh), PYTHON (default: the checkout's .venv/bin/python where it exists,
+# else python), DRY_RUN=1 (check the flags with Megatron's parser on any machine, no GPU:
+# pretrain_moe.py --megatron-ext-dry-run).
 # Extra arguments go to pretrain_moe.py after these (a later flag wins, but --fp16 and --bf16 are
 # two switches: set PRECISION rather than append the other one).
 set -euo pipefail

@@ -14,10 +14,18 @@
 #   common_flags: the flags of both modes that every launch script passes; a script adds its
 #     model's sizes and experts, its parallelism, batch, precision, schedule and iterations.
 #   LAYERS: te, local or auto (default): te is Transformer Engine's layers with the fusions TE provides
-#     (fused attention, rope, weight-gradient accumulation into the main gradients; Megatron's
+#     (fused attention and rope; the weight gradients' accumulation into the main gradients only
+#     where apex's extension imports, which Megatron's output layer needs for it; Megatron's
 #     optimizer is then TE's FusedAdam), what users train with; local is Megatron's own layers
 #     without TE or apex (the --no-... flags below switch off what would need them); auto is te
 #     where `import transformer_engine.pytorch` works with $PYTHON, else local.
+#   GRAPHS: none (default), te or full: CUDA graphs for MODE=capacity (Megatron's own dispatchers take
+#     their own flags). te: Transformer Engine's per-layer graphs of whole layers (--cuda-graph-impl
+#     transformer_engine), the fastest path where TE is installed; needs LAYERS=te; the graphs are
+#     captured once, so an overflow stops at the device's assert (--moe-hybridep-overflow-policy
+#     fail) instead of re-running the step. full: graphs of the whole step (--cuda-graph-impl
+#     full_iteration --no-check-for-nan-in-loss-and-grad: Megatron's NaN check reads the host).
+#     Either needs one rank per GPU (collectives over gloo cannot be captured).
 #   KERNEL_CACHE: where deep_ep's compiled kernels are kept for the next job
 #     (--moe-hybridep-kernel-cache; default ${XDG_CACHE_HOME:-~/.cache}/megatron-ext/hybrid-ep-kernels,
 #     on a disk the job's nodes share where they have one; KERNEL_CACHE= keeps none).
@@ -68,6 +76,25 @@ case $LAYERS in
   local) layer_flags=(--transformer-impl local --no-gradient-accumulation-fusion --no-masked-softmax-fusion
     --no-persist-layer-norm --no-rope-fusion) ;;
   *) echo "LAYERS must be te, local or auto, not '$LAYERS'" >&2; exit 2 ;;
+esac
+GRAPHS=${GRAPHS:-none}
+case $GRAPHS in
+  none) ;;
+  te | full)
+    if [ "$MODE" != capacity ]; then
+      echo "GRAPHS=$GRAPHS needs MODE=capacity (this is MODE=$MODE, whose dispatch reads the host); use GRAPHS=none" >&2
+      exit 2
+    fi
+    if [ "$GRAPHS" = te ]; then
+      if [ "$LAYERS" != te ]; then
+        echo "GRAPHS=te needs Transformer Engine's layers (LAYERS=te; this is LAYERS=$LAYERS): install TE or use GRAPHS=full" >&2
+        exit 2
+      fi
+      mode_flags+=(--cuda-graph-impl transformer_engine --moe-hybridep-overflow-policy fail)
+    else
+      mode_flags+=(--cuda-graph-impl full_iteration --no-check-for-nan-in-loss-and-grad)
+    fi ;;
+  *) echo "GRAPHS must be none, te or full, not '$GRAPHS'" >&2; exit 2 ;;
 esac
 common_flags=(
   "${layer_flags[@]}"

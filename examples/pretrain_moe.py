@@ -430,6 +430,7 @@ def describe(args, config, spec_experts, built_experts) -> list[tuple[str, objec
         ("layer spec", "local" if use_local_spec(args) else "transformer_engine"),
         ("dispatcher", config.moe_token_dispatcher_type),
         ("flex backend", config.moe_flex_dispatcher_backend),
+        ("cuda graphs", args.cuda_graph_impl),
     ]
     rows += [(flag(CONFIG_PREFIX + name), getattr(options, name)) for name in OPTION_NAMES]
     rows += [

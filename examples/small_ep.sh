@@ -18,8 +18,9 @@
 # Env: RANKS (default 2: processes, one per GPU unless RANKS_PER_GPU), RANKS_PER_GPU (default 1), PP
 # (default 1: pipeline stages; the expert-parallel size is RANKS / PP), VPP (default 1: virtual
 # stages per pipeline rank, the interleaved schedule; the 4 layers must divide by PP x VPP),
-# MODE=capacity|blocking|stock, PRECISION=bf16|fp16, PYTHON, DRY_RUN=1 (check the flags with Megatron's
-# parser on any machine: pretrain_moe.py --megatron-ext-dry-run). Extra arguments go to
+# MODE=capacity|blocking|stock, PRECISION=bf16|fp16, LAYERS, GRAPHS (modes.sh; none where GPUs are
+# shared), PYTHON, DRY_RUN=1 (check the flags with Megatron's parser on any machine: pretrain_moe.py
+# --megatron-ext-dry-run). Extra arguments go to
 # pretrain_moe.py after these.
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -41,6 +42,10 @@ micro_batches=$((PP > 1 ? 4 * PP : 1))  # enough micro-batches to fill the pipel
 
 backend=nccl launcher=()
 if ((RANKS_PER_GPU > 1)); then
+  if [ "$GRAPHS" != none ]; then
+    echo "GRAPHS=$GRAPHS needs one rank per GPU: ranks sharing a GPU meet over gloo, whose collectives cannot be captured; use GRAPHS=none" >&2
+    exit 2
+  fi
   backend=gloo launcher=(-m megatron_ext.tooling.shared_gpu --ranks-per-gpu "$RANKS_PER_GPU")
 fi
 

@@ -3,10 +3,12 @@
 # one GPU, mock data, bf16, the loss logged every iteration.
 #
 # Needs: one CUDA GPU (bf16; grouped GEMMs want compute capability >= 8.0), torch and
-# megatron-core 0.19.x, megatron-ext installed (pip install -e .). Needs neither Transformer
-# Engine nor apex: `--transformer-impl local` and the three `--no-...` flags (common_flags, in
-# modes.sh) turn off what would need them. deep_ep is optional (the dispatch runs on megatron-ext's
-# torch buffer without it).
+# megatron-core 0.19.x, megatron-ext installed (pip install -e .). Transformer Engine's layers where
+# TE imports, else Megatron's local ones, with no need of TE or apex (LAYERS, in modes.sh). deep_ep
+# is optional (the dispatch runs on megatron-ext's torch buffer without it).
+#
+# The fastest path where TE is installed: GRAPHS=te (TE's per-layer CUDA graphs; an overflow then
+# stops at the device's assert); GRAPHS=full graphs the whole step (modes.sh).
 #
 # megatron-ext flags, on Megatron's HybridEP flex dispatcher:
 #   --moe-hybridep-capacity-factor 1.5      capacity mode: after a calibration dispatch per layer,
@@ -18,11 +20,11 @@
 # the logged losses should match those of MODE=capacity (the default).
 #
 # Env: MODE=capacity|blocking|stock, PRECISION=bf16|fp16 (default bf16: passes --bf16 or --fp16),
-# PYTHON (default: the checkout's .venv/bin/python where it exists, else python), DRY_RUN=1 (check
-# the flags with Megatron's parser on any machine, no GPU: pretrain_moe.py --megatron-ext-dry-run).
-# Extra arguments go to pretrain_moe.py after these (a later flag wins, but --fp16 and --bf16 are
-# two switches: set PRECISION rather than append the other one). CUDA graphs of the whole step
-# (capacity mode): --cuda-graph-impl full_iteration --no-check-for-nan-in-loss-and-grad.
+# LAYERS=te|local|auto, GRAPHS=none|te|full, PYTHON (default: the checkout's .venv/bin/python where
+# it exists, else python), DRY_RUN=1 (check the flags with Megatron's parser on any machine, no GPU:
+# pretrain_moe.py --megatron-ext-dry-run). Extra arguments go to pretrain_moe.py after these (a
+# later flag wins, but --fp16 and --bf16 are two switches: set PRECISION rather than append the
+# other one).
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 # The checkout's environment (.ci/setup) where there is one, as the README's setup line makes it.

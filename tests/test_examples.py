@@ -37,7 +37,7 @@ DRY_RUN_FLAG = "--megatron-ext-dry-run"
 SCRIPT_VARS = (
     *("MODE", "PRECISION", "GPUS", "DRY_RUN", "PYTHON", "WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_PORT"),
     *("TOKENS", "HIDDEN", "EXPERTS", "TOPK"),
-    *("RANKS", "RANKS_PER_GPU", "PP", "VPP", "CAPACITY_FACTOR", "KERNEL_CACHE", "LAYERS"),
+    *("RANKS", "RANKS_PER_GPU", "PP", "VPP", "CAPACITY_FACTOR", "KERNEL_CACHE", "LAYERS", "GRAPHS"),
 )
 SLURM = {"SLURM_NNODES": "3", "SLURM_JOB_NODELIST": "node[01-03]", "SLURM_JOB_ID": "42"}
 
@@ -56,6 +56,7 @@ DRY_RUNS = {
     # refused by the layer build where TE is absent (the local spec's experts); by Megatron's validate_args
     "smoke-static-splits": ("smoke_1gpu.sh", {}, ["--moe-hybridep-static-expert-splits"]),
     "smoke-graphs-nan-check": ("smoke_1gpu.sh", {}, ["--cuda-graph-impl", "full_iteration"]),
+    "smoke-graphs-full": ("smoke_1gpu.sh", {"GRAPHS": "full"}, []),
     "ep8": ("ep8_single_node.sh", {}, []),
     "small-ep": ("small_ep.sh", {}, []),
     # 4 ranks sharing a GPU: PP 2 x EP 2, and the interleaved schedule (2 virtual stages per rank)
@@ -714,6 +715,48 @@ def test_layers_choose_tes_layers_with_tes_fusions_or_local_ones_without(stubs, 
     impl = argv[argv.index("--transformer-impl") + 1]
     assert impl == present[0] and argv.count("--transformer-impl") == 1
     assert all(flag in argv for flag in present[1:]) and not any(flag in argv for flag in absent)
+
+
+def test_graphs_full_passes_megatrons_parse(dry_runs):
+    got = dry_run_report(dry_runs, "smoke-graphs-full")
+    assert got["cuda graphs"] == "full_iteration" and got["capacity mode"] == "on"
+    assert dry_run_report(dry_runs, "smoke")["cuda graphs"] == "none"  # GRAPHS=none by default
+
+
+@pytest.mark.parametrize(
+    "graphs, flags",
+    [
+        (None, []),
+        ("none", []),
+        ("te", ["--cuda-graph-impl", "transformer_engine", "--moe-hybridep-overflow-policy", "fail"]),
+        ("full", ["--cuda-graph-impl", "full_iteration", "--no-check-for-nan-in-loss-and-grad"]),
+    ],
+)
+@pytest.mark.parametrize("script", ["smoke_1gpu.sh", "ep8_single_node.sh", "small_ep.sh"])
+def test_graphs_adds_the_flags_of_capacity_modes_graphs(stubs, tmp_path, script, graphs, flags):
+    env = {"GRAPHS": graphs} if graphs else {}
+    _, argv = recorded_command(stubs, tmp_path, script, DRY_RUN="1", LAYERS="te", **env)
+    graph_flags = [a for i, a in enumerate(argv) if a.startswith("--cuda-graph") or argv[i - 1] == "--cuda-graph-impl"]
+    assert graph_flags == flags[:2], argv
+    assert all(flag in argv for flag in flags)
+    assert argv.count("--moe-hybridep-overflow-policy") == (graphs == "te")
+
+
+@pytest.mark.parametrize(
+    "script, env, message",
+    [
+        ("smoke_1gpu.sh", {"GRAPHS": "te", "LAYERS": "local"}, "GRAPHS=te needs Transformer Engine's layers"),
+        ("smoke_1gpu.sh", {"GRAPHS": "full", "MODE": "blocking"}, "GRAPHS=full needs MODE=capacity"),
+        ("smoke_1gpu.sh", {"GRAPHS": "te", "LAYERS": "te", "MODE": "stock"}, "GRAPHS=te needs MODE=capacity"),
+        ("smoke_1gpu.sh", {"GRAPHS": "yes"}, "GRAPHS must be none, te or full, not 'yes'"),
+        ("small_ep.sh", {"GRAPHS": "full", "RANKS_PER_GPU": "2"}, "GRAPHS=full needs one rank per GPU"),
+    ],
+)
+def test_graphs_refuses_what_cannot_be_captured_in_one_line(stubs, tmp_path, script, env, message):
+    env = script_env(PYTHON=str(stubs / "python"), RECORD=str(tmp_path / "r"), DRY_RUN="1", **env)
+    result = subprocess.run(["bash", str(EXAMPLES / script)], env=env, capture_output=True, text=True)
+    assert result.returncode == 2 and result.stderr.startswith(message) and result.stderr.count("\n") == 1
+    assert not (tmp_path / "r").exists() or "--megatron-ext-dry-run" not in (tmp_path / "r").read_text()
 
 
 def test_layers_refuses_an_unknown_value_in_one_line(stubs, tmp_path):
