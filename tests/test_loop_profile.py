@@ -306,13 +306,12 @@ def test_the_gpu_harness_tables_runs_made_by_earlier_calls_without_running_any(t
         os.environ, OUT=str(tmp_path), TABLE_ONLY="1", ITERS="30", PYTHON=sys.executable, MEGATRON_EXT_COMMIT="abc1234"
     )
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    done = subprocess.run(
-        ["bash", ".ci/gpu-suite", "train-shapes", "qwen3-30b-a3b-e64"],
-        cwd=root,
-        env=env,
-        capture_output=True,
-        text=True,
-    )
+
+    def table_only():
+        command = ["bash", ".ci/gpu-suite", "train-shapes", "qwen3-30b-a3b-e64"]
+        return subprocess.run(command, cwd=root, env=env, capture_output=True, text=True)
+
+    done = table_only()
     assert "=== train-shapes" not in done.stdout, done.stdout  # no run started
     rows = [
         line.split("|")[1].strip() for line in done.stdout.splitlines() if line.startswith("| ") and "---" not in line
@@ -321,13 +320,7 @@ def test_the_gpu_harness_tables_runs_made_by_earlier_calls_without_running_any(t
     record = json.loads((tmp_path / "train-shapes-qwen3-30b-a3b-e64.json").read_text())
     assert record["setup"]["commit"] == "abc1234" and record["runs"]["capacity-eager"]["ms"] == 90.0
     env["OUT"] = str(tmp_path / "empty")
-    nothing = subprocess.run(
-        ["bash", ".ci/gpu-suite", "train-shapes", "qwen3-30b-a3b-e64"],
-        cwd=root,
-        env=env,
-        capture_output=True,
-        text=True,
-    )
+    nothing = table_only()
     assert nothing.returncode == 2 and "TABLE_ONLY=1: no run of qwen3-30b-a3b-e64" in nothing.stderr
 
 
