@@ -104,6 +104,8 @@ common_flags=(
   --moe-grouped-gemm --moe-router-load-balancing-type aux_loss
   "${dispatcher_flags[@]}"
   --mock-data --tokenizer-type NullTokenizer --vocab-size 32000
+  # Causal attention builds its own mask (TE's reads none): no [seq, seq] mask made and copied per sample.
+  --no-create-attention-mask-in-dataloader
 )
 KERNEL_CACHE=${KERNEL_CACHE-${XDG_CACHE_HOME:-$HOME/.cache}/megatron-ext/hybrid-ep-kernels}
 if [ -n "$KERNEL_CACHE" ] && [ "$MODE" != stock ] && [ "$MODE" != stock-hybridep ]; then common_flags+=(--moe-hybridep-kernel-cache "$KERNEL_CACHE"); fi

@@ -431,6 +431,7 @@ def describe(args, config, spec_experts, built_experts) -> list[tuple[str, objec
         ("dispatcher", config.moe_token_dispatcher_type),
         ("flex backend", config.moe_flex_dispatcher_backend),
         ("cuda graphs", args.cuda_graph_impl),
+        ("attention mask from the data loader", args.create_attention_mask_in_dataloader),
     ]
     rows += [(flag(CONFIG_PREFIX + name), getattr(options, name)) for name in OPTION_NAMES]
     rows += [

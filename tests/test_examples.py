@@ -229,6 +229,7 @@ def test_smoke_dry_run(dry_runs):
     assert got["transformer impl"] == "local" and got["layer spec"] == "local"
     assert got["experts built"] == "megatron_ext.experts.GroupedMLP"
     assert got["samples (train, valid, test)"] == "(20, 0, 0)"
+    assert got["attention mask from the data loader"] == "False"  # causal attention makes its own
     # deep_ep's compiled kernels kept for the next job, under the user's cache folder by default
     cache_home = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.environ["HOME"], ".cache")
     assert got["--moe-hybridep-kernel-cache"] == os.path.join(cache_home, "megatron-ext", "hybrid-ep-kernels")

@@ -10,11 +10,11 @@ that nothing reads.
 
 Why: under Transformer Engine's per-layer graphs (`--cuda-graph-impl transformer_engine`) the
 gradients a graph returns for parameters live in the graph's static buffers, and TE (2.20, as
-measured) copies each one before handing it to autograd, unless the parameter carries `skip_backward_post_hook` (TE's mark
-for "the real gradient went into main_grad already"). For the experts, whose weights are most of an
-MoE model's, that copy is a read and a write of every expert weight per micro-batch. With the
-gradient in `main_grad` first, the mark is true and the copy is gone; in eager mode nothing changes
-but where the same `add_` is issued.
+measured) copies each one before handing it to autograd, unless the parameter carries
+`skip_backward_post_hook` (TE's mark for "the real gradient went into main_grad already"). For the
+experts, whose weights are most of an MoE model's, that copy is a read and a write of every expert
+weight per micro-batch. With the gradient in `main_grad` first, the mark is true and the copy is
+gone; in eager mode nothing changes but where the same `add_` is issued.
 
 Only Megatron's DDP convention qualifies (a `main_grad` of the parameter's shape and the
 `grad_added_to_main_grad` flag it sets); Megatron-FSDP's parameters (`get_main_grad`) and plain
