@@ -319,6 +319,75 @@ def test_the_backward_adds_into_main_grad_itself_and_only_under_megatron_ddps_co
                 assert torch.equal(param.grad.float(), plain[name]), (unlike_ddp, name)
 
 
+class _OutputOnly(torch.nn.Module):
+    """The experts' output alone (TE's graphs take tensors out, not GroupedMLP's (out, None))."""
+
+    def __init__(self, experts):
+        super().__init__()
+        self.experts = experts
+
+    def forward(self, x, counts, probs):
+        return self.experts(x, counts, probs)[0]
+
+
+def _weight_shaped_clones(graphed, inputs, grad) -> int:
+    """How many `aten::clone`s of an expert weight's shape one replay of `graphed`, forward and
+    backward, makes."""
+    shapes = [list(p.shape) for p in graphed.parameters() if p.dim() == 3]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
+        graphed(*inputs).backward(grad)
+    torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.name == "aten::clone" and e.input_shapes and e.input_shapes[0] in shapes)
+
+
+@pytest.mark.gpu
+def test_under_tes_per_layer_graphs_the_weight_gradients_reach_main_grad_without_a_copy(pg):
+    """Transformer Engine's graphs of the fused experts under Megatron's DDP hook: two replayed
+    micro-batches leave in main_grad bitwise the fp32 sum of an eager module's gradients, and TE
+    copies no expert weight's gradient out of the graph (it does for a module without DDP's
+    main_grad: the control, which shows the count can see a copy)."""
+    te = pytest.importorskip("transformer_engine.pytorch")
+    x0, counts, probs0 = _inputs(torch.bfloat16, pad=0, device="cuda")
+    batches = []
+    for micro_batch in range(2):
+        x, _, probs = _inputs(torch.bfloat16, pad=0, seed=30 + micro_batch, device="cuda")
+        batches.append((x, probs, _output_grad(x, sum(COUNTS), seed=40 + micro_batch)))
+
+    eager = _experts(pg, device="cuda", dtype=torch.bfloat16)
+    expected = {n: torch.zeros(p.shape, dtype=torch.float32, device="cuda") for n, p in eager.named_parameters()}
+    for x, probs, grad in batches:
+        _run(eager, x, counts, probs, grad)
+        for name, param in eager.named_parameters():
+            expected[name].add_(param.grad)
+
+    def graphed_experts(under_ddp: bool):
+        wrapper = _OutputOnly(_experts(pg, device="cuda", dtype=torch.bfloat16))
+        nodes = _under_megatron_ddp(wrapper.experts) if under_ddp else []
+        sample = (x0.clone().requires_grad_(), counts, probs0.clone().requires_grad_())
+        graphed = te.make_graphed_callables(wrapper, sample, num_warmup_iters=2, allow_unused_input=True)
+        for param in wrapper.experts.parameters():  # TE's warm-up backwards ran: start the step clean
+            param.grad = None
+            if under_ddp:
+                param.main_grad.zero_()
+        return graphed, wrapper.experts, nodes
+
+    control, _, _ = graphed_experts(under_ddp=False)
+    x, probs, grad = batches[0]
+    if _weight_shaped_clones(control, (x.clone().requires_grad_(), counts, probs.clone().requires_grad_()), grad) == 0:
+        pytest.skip("this Transformer Engine hands its graphs' parameter gradients out without copying them")
+
+    graphed, experts, nodes = graphed_experts(under_ddp=True)
+    assert nodes
+    copies = 0
+    for x, probs, grad in batches:
+        copies += _weight_shaped_clones(
+            graphed, (x.clone().requires_grad_(), counts, probs.clone().requires_grad_()), grad
+        )
+    assert copies == 0
+    for name, param in experts.named_parameters():
+        assert param.grad is None and torch.equal(param.main_grad, expected[name]), name
+
+
 def test_default_process_groups(pg):
     """pg_collection=None takes Megatron's default MoE groups (parallel_state)."""
     from megatron.core import parallel_state
