@@ -172,6 +172,26 @@ def test_host_time_charges_each_frame_to_its_package_or_its_callers():
     assert "host" not in loop_profile.summarize(_trace(2))  # no Python frames recorded: no host section
 
 
+def test_callees_that_outlast_their_caller_leave_it_no_time_and_are_reported(tmp_path):
+    """A frame whose recorded callees add up to more than its own length (seen in a blocking run's
+    trace) gets no time of its own, never a negative one; the excess is reported beside the packages."""
+    events = [
+        _x("user_annotation", "ProfilerStep#5", 0, 100_000),
+        _frame("site/megatron/core/pipeline_parallel/schedules.py(10): forward_step", 0, 90_000, 1, None),
+        _frame("/r/megatron_ext/dispatcher.py(352): dispatch", 10, 10_000, 2, 1),
+        _frame("site/megatron/core/transformer/moe/token_dispatcher.py(5): f", 20, 7_000, 3, 2),
+        _frame("site/megatron/core/transformer/moe/token_dispatcher.py(6): g", 30, 7_000, 4, 2),
+    ]
+    host = loop_profile.summarize(events)["host"]
+    assert host["host_packages"]["megatron-ext"] == 0.0  # 10 - (7 + 7) ms: none, not -4
+    assert host["children_past_parents_ms"] == pytest.approx(4.0)
+    assert "callees outlasting their callers: 4.00 ms" in loop_profile.markdown(loop_profile.summarize(events))
+    _write_run(tmp_path, "h", "blocking", _log([100.0] * 3, ["1.0E+00"] * 3, 1024), 1, events)
+    text, _ = train_shapes.report(tmp_path, "h", profile_start=3)
+    assert "| host Python ms (with call stacks): callees past callers | 4.0 |" in text
+    assert "| host Python ms (with call stacks): megatron-ext | 0.0 |" in text
+
+
 def test_host_time_reads_torchs_own_trace_of_a_megatron_ext_call(tmp_path):
     import torch
 

@@ -25,6 +25,8 @@ opened by a `ProfilerStep#` annotation. `summarize(trace)` reads one into per-it
   own time goes to its package, or, for torch's and Python's frames, to the nearest caller's; threads
   that run none of these packages are left out),
   `waiting_for_backward_ms` (the main thread blocked while autograd's thread runs the backward),
+  `children_past_parents_ms` (frames whose recorded callees outlast them get no time of their own;
+  the excess, which the packages' times then count twice, is this; 0 in a consistent trace),
   and megatron-ext's entry points (`megatron_ext_calls`: calls and inclusive ms per iteration).
   Recording every Python call slows the host several times over: read these as shares.
 
@@ -194,13 +196,16 @@ def host_time(events: list[dict[str, Any]], steps: list[dict[str, Any]]) -> dict
     # waiting the whole step) are left out: their time is no work of the step's.
     working = {(e.get("pid"), e.get("tid")) for pid, e in frames.items() if owner(pid) != UNCHARGED}
     packages: dict[str, float] = defaultdict(float)
-    waiting = 0.0
+    waiting = overlapping = 0.0
     calls: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
     for pid, e in frames.items():
         if (e.get("pid"), e.get("tid")) not in working:
             continue
         name = str(e["name"])
         own = float(e["dur"]) - children_us[pid]
+        if own < 0:  # its children, as recorded, outlast it: no time of its own, and the excess told
+            overlapping += -own
+            own = 0.0
         if RUN_BACKWARD.search(name):
             waiting += own
             continue
@@ -214,6 +219,7 @@ def host_time(events: list[dict[str, Any]], steps: list[dict[str, Any]]) -> dict
     return {
         "host_packages": {k: v / per for k, v in sorted(packages.items(), key=lambda kv: -kv[1])},
         "waiting_for_backward_ms": waiting / per,
+        "children_past_parents_ms": overlapping / per,
         "megatron_ext_calls": sorted(
             ({"function": name, "calls": n / iterations, "ms": us / per} for name, (n, us) in calls.items()),
             key=lambda c: -c["ms"],
@@ -384,7 +390,8 @@ def markdown(summary: dict[str, Any], top: int = 15) -> str:
         lines += [
             "",
             f"Host Python time per iteration (profiled with call stacks, which slow the host; read as shares); "
-            f"the main thread waited {host['waiting_for_backward_ms']:.2f} ms for autograd's backward thread:",
+            f"the main thread waited {host['waiting_for_backward_ms']:.2f} ms for autograd's backward thread; "
+            f"callees outlasting their callers: {host['children_past_parents_ms']:.2f} ms, counted twice:",
             "",
             "| package | host ms/iteration |",
             "| --- | --- |",

@@ -245,20 +245,18 @@ def markdown(record: dict[str, Any]) -> str:
         hosts = {name: p.get("host") for name, p in profiled.items()}
         if any(hosts.values()):  # traces with Python call stacks (HOST_STACKS=1)
             packages = list(dict.fromkeys(k for h in hosts.values() if h for k in h["host_packages"]))
-            for package in packages + ["waiting for backward"]:
+            # Beside the packages: the wait for autograd's thread, and the callees' time past their
+            # callers' that the packages count twice (not recorded before the clamp: "-").
+            extra = {
+                "waiting for backward": "waiting_for_backward_ms",
+                "callees past callers": "children_past_parents_ms",
+            }
+            for row in packages + list(extra):
                 cells = [
-                    _num(
-                        h
-                        and (
-                            h["waiting_for_backward_ms"]
-                            if package == "waiting for backward"
-                            else h["host_packages"].get(package)
-                        ),
-                        ".1f",
-                    )
+                    _num(h and (h.get(extra[row]) if row in extra else h["host_packages"].get(row)), ".1f")
                     for h in hosts.values()
                 ]
-                lines.append(f"| host Python ms (with call stacks): {package} | " + " | ".join(cells) + " |")
+                lines.append(f"| host Python ms (with call stacks): {row} | " + " | ".join(cells) + " |")
     lines += [f"\nskipped {name}: {why}" for name, why in skipped.items()]
     return "\n".join(lines)
 
