@@ -397,6 +397,30 @@ def test_train_shapes_measures_runs_on_other_kernels_against_stocks_deviation(tm
         train_shapes.report(tmp_path, "q", None, ["blocking", "missing"])
 
 
+def test_train_shapes_shows_whether_the_curves_of_runs_that_differ_stay_together(tmp_path):
+    """Mean losses over 4 spans of blocking's 9 iterations (3, 2, 2, 2): blocking's own, and each
+    differing run's relative to them; an identical run gets no row; a span a run did not log all of
+    gets "-"; the same table comes back from the JSON record; without a differing run, no table."""
+    blocking = [9.0, 8.0, 7.0, 6.0, 5.0, 4.0, 3.0, 2.0, 1.0]
+    stock = [9.9, 8.8, 7.7, 6.0, 5.0, 4.0, 3.0, 1.0, 1.0]  # +10 % in the first span, -1/3 in the last
+    norms = [1.0] * 9
+    _write_run(tmp_path, "c", "blocking", _grad_norm_log(norms, blocking), 1)
+    _write_run(tmp_path, "c", "stock", _grad_norm_log(norms, stock), 2)
+    _write_run(tmp_path, "c", "twin", _grad_norm_log(norms, blocking), 3)
+    _write_run(tmp_path, "c", "short", _grad_norm_log(norms[:6], [9.0, 8.0, 7.0, 6.6, 5.5, 4.0]), 4)
+    text, record = train_shapes.report(tmp_path, "c", None, ["blocking", "stock", "twin", "short"])
+    table = text.split("do the curves stay together):\n\n")[1].split("\n\n")[0].splitlines()
+    assert table[0] == "| run | iterations 1-3 | iterations 4-5 | iterations 6-7 | iterations 8-9 |"
+    assert table[2:] == [
+        "| blocking | 8.0000 | 5.5000 | 3.5000 | 1.5000 |",
+        "| stock | +10.00% | +0.00% | +0.00% | -33.33% |",
+        "| short | +0.00% | +10.00% | - | - |",
+    ]
+    assert train_shapes.markdown(json.loads(json.dumps(record))) == text
+    text, _ = train_shapes.report(tmp_path, "c", None, ["blocking", "twin"])
+    assert "curves" not in text
+
+
 def test_train_shapes_setup_names_the_stack(monkeypatch):
     monkeypatch.setattr(train_shapes, "_version", lambda *names: f"v-{names[0]}")
     got = train_shapes.setup("te", 8, 4096)

@@ -13,7 +13,9 @@ the median ms per iteration over the iterations after the first
 `SKIP_ITERS` and before the profiled ones, tokens/s, the GPU-busy ms per iteration (profiled), the
 step's time over its GPU-busy time (above 1: the GPU waited for the host), the host's
 synchronisations per iteration, its peak memory, and the time against the blocking and the stock
-runs; then the GPU time per kernel category of every run, and the largest kernels of each. The
+runs; where runs differ from blocking, their mean losses over four spans of the iterations against
+blocking's (whether the curves stay together); then the GPU time per kernel category of every run,
+and the largest kernels of each. The
 JSON record carries a `setup` object: the card, the versions of megatron-core, Transformer Engine
 and deep_ep, the HybridEP implementation megatron-ext's runs used, the layers (`te` or `local`),
 micro-batches, sequence length and the repository's commit.
@@ -46,6 +48,7 @@ from megatron_ext.tooling.train_logs import (
 
 PEAK = re.compile(r"peak GPU memory allocated (\d+) MiB")
 REFERENCE, STOCK = "blocking", "stock"
+CURVE_WINDOWS = 4  # spans of the iterations over which loss_curves compares mean losses
 
 
 def run_names(directory: Path, shape: str) -> list[str]:
@@ -124,6 +127,57 @@ def _losses_cell(losses: Any, yardstick: Any) -> str:
         within = loss <= yardstick["lm loss"] and norm <= yardstick["grad norm"]
         cell += ", within stock's" if within else ", beyond stock's"
     return cell
+
+
+def _curve_windows(iterations: list[int], windows: int) -> list[list[int]]:
+    """`iterations` cut into `windows` runs of consecutive ones, as even in length as they go."""
+    size, extra = divmod(len(iterations), windows)
+    cuts, start = [], 0
+    for w in range(windows):
+        end = start + size + (w < extra)
+        cuts.append(iterations[start:end])
+        start = end
+    return cuts
+
+
+def loss_curves(runs: dict[str, dict], windows: int = CURVE_WINDOWS) -> list[str]:
+    """Whether the curves stay together, where a run's losses part from blocking's: the mean lm loss
+    over each of `windows` spans of blocking's iterations, blocking's and, for every run that
+    differs, its own against it (relative). Nothing when no run differs or blocking logged fewer
+    than two iterations a span. Reads the record's series, so a record read back from JSON (string
+    keys) gives the same table."""
+    reference = runs.get(REFERENCE)
+    differing = {name: r for name, r in runs.items() if isinstance(r.get("losses"), dict)}
+    if reference is None or not differing:
+        return []
+
+    def series(run: dict) -> dict[int, float]:
+        return {int(i): v for i, v in (run.get("lm_loss") or {}).items() if v is not None}
+
+    ours = series(reference)
+    if len(ours) < 2 * windows:
+        return []
+    spans = _curve_windows(sorted(ours), windows)
+    means = [statistics.fmean(ours[i] for i in span) for span in spans]
+    lines = [
+        "",
+        f"Mean lm loss over {len(spans)} equal spans of the iterations: {REFERENCE}'s, and each run that "
+        "differs against it (do the curves stay together):",
+        "",
+        "| run | " + " | ".join(f"iterations {span[0]}-{span[-1]}" for span in spans) + " |",
+        "| --- | " + " | ".join("---" for _ in spans) + " |",
+        f"| {REFERENCE} | " + " | ".join(f"{m:.4f}" for m in means) + " |",
+    ]
+    for name, run in differing.items():
+        theirs = series(run)
+        cells = [
+            f"{statistics.fmean(theirs[i] for i in span) / mean - 1:+.2%}"
+            if mean and all(i in theirs for i in span)
+            else "-"
+            for span, mean in zip(spans, means)
+        ]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def run_record(directory: Path, shape: str, name: str, profile_start: Optional[int]) -> dict[str, Any]:
@@ -215,6 +269,7 @@ def markdown(record: dict[str, Any]) -> str:
             f"| {_ratio(r['ms'], reference and reference['ms'])} | {_ratio(r['ms'], stock and stock['ms'])} "
             f"| {_ratio(r['peak_mib'], reference and reference['peak_mib'])} |"
         )
+    lines += loss_curves(runs)
     profiled = {name: r["profile"] for name, r in runs.items() if r["profile"]}
     if profiled:
         categories = list(dict.fromkeys(c for p in profiled.values() for c in p["categories"]))
