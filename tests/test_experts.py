@@ -345,8 +345,19 @@ def test_under_tes_per_layer_graphs_the_weight_gradients_reach_main_grad_without
     """Transformer Engine's graphs of the fused experts under Megatron's DDP hook: two replayed
     micro-batches leave in main_grad bitwise the fp32 sum of an eager module's gradients, and TE
     copies no expert weight's gradient out of the graph (it does for a module without DDP's
-    main_grad: the control, which shows the count can see a copy)."""
+    main_grad: the control, which shows the count can see a copy).
+
+    All of it on a side stream, as Megatron's initialisation sets one for `--cuda-graph-impl
+    transformer_engine` before DDP is built: DDP keeps each parameter's AccumulateGrad node, whose
+    stream is the one current when the node was made, and TE's backward capture then waits on that
+    stream; on the legacy default stream that wait is illegal during capture
+    (cudaErrorStreamCaptureImplicit)."""
     te = pytest.importorskip("transformer_engine.pytorch")
+    with torch.cuda.stream(torch.cuda.Stream()):
+        _graphed_experts_under_ddp(te, pg)
+
+
+def _graphed_experts_under_ddp(te, pg) -> None:
     x0, counts, probs0 = _inputs(torch.bfloat16, pad=0, device="cuda")
     batches = []
     for micro_batch in range(2):
