@@ -295,6 +295,31 @@ def test_train_shapes_compares_runs_over_the_iterations_before_the_profile(tmp_p
     assert "host Python ms" not in text  # no call stacks recorded
 
 
+def _profiler_listing(start: int | None) -> str:
+    """Megatron's argument listing of the profiler: on from iteration `start`, or off (None)."""
+    on = start is not None
+    dots = "." * 30
+    return f"  profile {dots} {on}\n  profile_step_start {dots} {start or 10}\n"
+
+
+def test_each_runs_median_stops_where_its_own_log_says_its_profile_starts(tmp_path):
+    """Runs of one table made with different ITERS: each run's median stops at the profile start
+    its own argument listing names; a run without a profiler stops nowhere; a log without the
+    listing falls back to the caller's profile start."""
+    slow = 900.0  # profiled iterations
+    timed = {"long": ([100.0] * 10 + [200.0] * 5 + [slow] * 3, 16), "short": ([100.0] * 10 + [300.0, slow, slow], 12)}
+    for mtime, (name, (times, start)) in enumerate(timed.items(), start=1):
+        log = _log(times, [f"{5 - i * 0.1:.6E}" for i in range(len(times))], 1024)
+        _write_run(tmp_path, "m", name, _profiler_listing(start) + log, mtime)
+    unprofiled = [100.0] * 10 + [400.0, 500.0, 600.0]
+    _write_run(tmp_path, "m", "off", _profiler_listing(None) + _log(unprofiled, ["1.0E+00"] * 13, 1024), 3)
+    _write_run(tmp_path, "m", "bare", _log([100.0] * 10 + [700.0, 800.0, slow], ["1.0E+00"] * 13, 1024), 4)
+    _, record = train_shapes.report(tmp_path, "m", profile_start=13)
+    runs = record["runs"]
+    assert [runs[n]["ms"] for n in ("long", "short", "off", "bare")] == [200.0, 300.0, 500.0, 750.0]
+    assert [runs[n]["profile_start"] for n in ("long", "short", "off", "bare")] == [16, 12, None, 13]
+
+
 def test_train_shapes_prints_a_records_tables_again_from_its_json(tmp_path, capsys):
     """`--from-json` prints what the run printed, from the JSON record alone; it takes no directory."""
     losses = [f"{10 - i * 0.1:.6E}" for i in range(4)]

@@ -33,6 +33,7 @@ FIELD = re.compile(r"\|\s*([^|:]+?):\s*([^|]+?)\s*(?=\|)")
 RERUN = re.compile(r"run again with blocking dispatches \(re-run (\d+)\)")
 GROWTH = re.compile(r"megatron-ext: (MoE layer \d+): capacity (\d+) -> (\d+) \(")
 ARGUMENT = re.compile(r"^\s+(seq_length|global_batch_size|world_size) \.+ (\d+)\s*$", re.MULTILINE)
+PROFILE_ARGUMENT = re.compile(r"^\s+(profile|profile_step_start) \.+ (\S+)\s*$", re.MULTILINE)
 
 
 def tokens_per_step_and_gpus(text: str) -> tuple[int, int] | None:
@@ -41,6 +42,17 @@ def tokens_per_step_and_gpus(text: str) -> tuple[int, int] | None:
     if {"seq_length", "global_batch_size", "world_size"} <= found.keys():
         return found["seq_length"] * found["global_batch_size"], found["world_size"]
     return None
+
+
+def profiled_from(text: str) -> tuple[bool, int | None]:
+    """From Megatron's argument listing: (whether it lists the profiler's arguments, the first
+    profiled iteration or None where `--profile` is off). (False, None) for a log without them."""
+    found = dict(PROFILE_ARGUMENT.findall(text))
+    if "profile" not in found:
+        return False, None
+    if found["profile"] != "True":
+        return True, None
+    return True, int(found["profile_step_start"]) if found.get("profile_step_start", "").isdigit() else None
 
 
 def parse_log(text: str) -> dict[int, dict[str, str]]:

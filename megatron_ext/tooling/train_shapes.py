@@ -1,11 +1,12 @@
 """Megatron's training loop at one model shape, run by run, side by side.
 
-    python -m megatron_ext.tooling.train_shapes --profile-start S DIR SHAPE [--json OUT]
+    python -m megatron_ext.tooling.train_shapes [--profile-start S] DIR SHAPE [--json OUT]
 
 reads what `.ci/gpu-suite train-shapes` leaves in DIR for SHAPE: each run's log
 (`train-SHAPE-RUN.log`), or why it was skipped (`train-SHAPE-RUN.skipped`), and, where it was
 profiled, its trace (`prof-SHAPE-RUN/torch_profile/rank-0.json.gz`, Megatron's `--profile
---use-pytorch-profiler` from iteration S); `--runs` names the runs (default: every log of SHAPE).
+--use-pytorch-profiler` from the iteration its log's argument listing names, else S); `--runs` names
+the runs (default: every log of SHAPE).
 Prints a markdown table: per run, whether its losses and grad norms equal the blocking run's at
 every iteration, else from which iteration they differ and their largest relative deviation from
 it (the stock run's deviation, on other kernels, is the yardstick for any run on other kernels),
@@ -41,6 +42,7 @@ from megatron_ext.tooling.train_logs import (
     first_difference,
     first_differing_iteration,
     parse_log,
+    profiled_from,
     relative_deviation,
     step_ms,
     tokens_per_step_and_gpus,
@@ -181,9 +183,15 @@ def loss_curves(runs: dict[str, dict], windows: int = CURVE_WINDOWS) -> list[str
 
 
 def run_record(directory: Path, shape: str, name: str, profile_start: Optional[int]) -> dict[str, Any]:
+    """One run's figures. The profiled iterations run slower, so the median stops before the first:
+    the one the run's own argument listing names (runs of one table may have run for different
+    numbers of iterations), else `profile_start`."""
     text = (directory / f"train-{shape}-{name}.log").read_text(errors="replace")
     iterations = parse_log(text)
-    times = step_ms(iterations, SKIP_ITERS, profile_start)  # the profiled iterations run slower
+    listed, start = profiled_from(text)
+    if not listed:
+        start = profile_start
+    times = step_ms(iterations, SKIP_ITERS, start)
     ms = statistics.median(times) if times else None
     tokens = tokens_per_step_and_gpus(text)
     peaks = [int(m) for m in PEAK.findall(text)]
@@ -192,6 +200,7 @@ def run_record(directory: Path, shape: str, name: str, profile_start: Optional[i
     return {
         "run": name,
         "iterations": iterations,
+        "profile_start": start,
         "ms": ms,
         "tokens_per_s": tokens[0] / (ms / 1e3) / tokens[1] if ms and tokens else None,
         "peak_mib": max(peaks) if peaks else None,
@@ -327,7 +336,11 @@ def main(argv: list[str] | None = None) -> int:
         "--from-json", type=Path, default=None, help="print the tables of a record this wrote (--json) instead"
     )
     parser.add_argument(
-        "--profile-start", type=int, default=None, help="the first profiled iteration: the median stops before it"
+        "--profile-start",
+        type=int,
+        default=None,
+        help="the first profiled iteration, for logs without Megatron's argument listing (a run's own "
+        "listing names it): the median stops before it",
     )
     parser.add_argument("--json", type=Path, default=None, help="also write the figures, every kernel's too, here")
     parser.add_argument("--runs", nargs="+", default=None, help="the runs, in order (default: every log of SHAPE)")
