@@ -32,13 +32,17 @@ ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|")
 FIELD = re.compile(r"\|\s*([^|:]+?):\s*([^|]+?)\s*(?=\|)")
 RERUN = re.compile(r"run again with blocking dispatches \(re-run (\d+)\)")
 GROWTH = re.compile(r"megatron-ext: (MoE layer \d+): capacity (\d+) -> (\d+) \(")
-ARGUMENT = re.compile(r"^\s+(seq_length|global_batch_size|world_size) \.+ (\d+)\s*$", re.MULTILINE)
-PROFILE_ARGUMENT = re.compile(r"^\s+(profile|profile_step_start) \.+ (\S+)\s*$", re.MULTILINE)
+ARGUMENT = re.compile(r"^\s+(\w+) \.+ (\S+)\s*$", re.MULTILINE)  # a line of Megatron's argument listing
+
+
+def arguments(text: str) -> dict[str, str]:
+    """{name: value as printed} of Megatron's argument listing (values without spaces), if printed."""
+    return dict(ARGUMENT.findall(text))
 
 
 def tokens_per_step_and_gpus(text: str) -> tuple[int, int] | None:
     """(global batch x sequence length, world size) from Megatron's argument listing, if printed."""
-    found = dict((name, int(value)) for name, value in ARGUMENT.findall(text))
+    found = {k: int(v) for k, v in arguments(text).items() if v.isdigit()}
     if {"seq_length", "global_batch_size", "world_size"} <= found.keys():
         return found["seq_length"] * found["global_batch_size"], found["world_size"]
     return None
@@ -47,7 +51,7 @@ def tokens_per_step_and_gpus(text: str) -> tuple[int, int] | None:
 def profiled_from(text: str) -> tuple[bool, int | None]:
     """From Megatron's argument listing: (whether it lists the profiler's arguments, the first
     profiled iteration or None where `--profile` is off). (False, None) for a log without them."""
-    found = dict(PROFILE_ARGUMENT.findall(text))
+    found = arguments(text)
     if "profile" not in found:
         return False, None
     if found["profile"] != "True":
